@@ -1,0 +1,31 @@
+# Everything a fresh machine needs: `make demo` runs the main job, `make test` the tests.
+# Both create .venv from scratch (pinned requirements) the first time.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/kvtier demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/tiers.py --quick
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis

@@ -1,0 +1,73 @@
+"""The KV layout: everything about the shape and meaning of KV bytes that a reader must share
+with the writer. It is part of every key (keys.py) and every object header (objects.py), so KV
+made for one model or layout can never be applied to another."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+import blake3
+
+from kvtier.errors import ConfigError
+
+#: Element sizes in bytes of the dtypes engines store KV in.
+DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+FINGERPRINT_SIZE = 16
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one model's KV as one engine stores it.
+
+    ``arrangement`` names how the payload bytes are ordered (for example ``hf-layer-kv-hnd``
+    for transformers' per-layer key/value tensors); two arrangements of the same geometry are
+    different layouts, because the bytes mean different things.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    block_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    group: str = "kv"
+    arrangement: str = "hf-layer-kv-hnd"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"KVLayout.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"KVLayout.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
+        if self.dtype not in DTYPE_SIZES:
+            raise ConfigError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        for name in ("group", "arrangement"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"KVLayout.{name} must be a non-empty string")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token over all layers (keys and values)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+
+    def canonical_bytes(self) -> bytes:
+        """A stable encoding of every field: sorted JSON, so field order never matters."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def fingerprint(self) -> bytes:
+        """16 bytes that change whenever any field changes; stored in every object header."""
+        return blake3.blake3(b"kvtier-layout\0" + self.canonical_bytes()).digest(FINGERPRINT_SIZE)

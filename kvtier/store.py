@@ -1,0 +1,306 @@
+"""TieredStore: one cache over an L1 memory tier and any number of lower tiers.
+
+    store:    engine KV --fill--> L1 slot --commit--> (async, bounded) --> each lower tier
+    lookup:   keys of the prompt's chunks --> longest contiguous prefix found in L1 or below
+    retrieve: that prefix as pinned views; lower-tier hits are checked and promoted into L1
+
+Writes below L1 never block the caller: they go through a queue bounded in bytes, and when it is
+full the write is dropped and counted. A chunk is visible only once its slot is committed, and a
+lookup stops at the first missing chunk, so a store that failed part-way is never seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvtier.errors import ObjectError
+from kvtier.keys import ChunkSpan, Namespace, chunk_spans
+from kvtier.objects import HEADER_SIZE, check_object, decode_payload, object_size, open_object, seal
+from kvtier.tiers.base import Tier
+from kvtier.tiers.memory import Lease, MemoryTier
+
+log = logging.getLogger(__name__)
+
+#: Fills ``dest`` (exactly ``span.num_tokens * layout.bytes_per_token`` bytes) with the raw KV of
+#: the tokens ``span`` covers.
+FillFn = Callable[[ChunkSpan, memoryview], None]
+
+
+@dataclass
+class LookupResult:
+    hit_tokens: int
+    spans: list[ChunkSpan]  # the chunks of the hit prefix, in order
+    tiers: list[str]  # the name of the tier that holds each of them (the highest one)
+
+
+@dataclass
+class RetrievedChunk:
+    span: ChunkSpan
+    payload: memoryview  # raw KV of the chunk, read-only
+
+
+@dataclass
+class Retrieval:
+    """The retrieved prefix; a context manager that releases L1 pins on exit."""
+
+    chunks: list[RetrievedChunk]
+    _release: Callable[[], None] = field(repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.chunks[-1].span.end if self.chunks else 0
+
+    def close(self) -> None:
+        self._release()
+
+    def __enter__(self) -> "Retrieval":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class StoreStats:
+    stored_chunks: int = 0
+    stored_tokens: int = 0
+    skipped_chunks: int = 0  # already cached
+    failed_chunks: int = 0  # no room in L1
+    queued_writes: int = 0
+    dropped_writes: int = 0  # lower-tier write queue full
+    failed_writes: int = 0  # a lower tier refused or failed
+    promotions: int = 0
+    corrupt: int = 0
+
+
+class TieredStore:
+    def __init__(
+        self,
+        l1: MemoryTier,
+        lower: Sequence[Tier] = (),
+        chunk_size: int = 256,
+        write_queue_bytes: int | None = None,
+    ) -> None:
+        """``write_queue_bytes`` bounds the L1 bytes pinned by pending lower-tier writes
+        (default: a quarter of L1, so eviction always has room to work)."""
+        self.l1 = l1
+        self.lower = list(lower)
+        self.chunk_size = chunk_size
+        self.stats = StoreStats()
+        self._queue_limit = write_queue_bytes if write_queue_bytes is not None else l1.capacity // 4
+        self._queued_bytes = 0
+        self._queue_lock = threading.Lock()
+        self._queue: queue.Queue[Lease | None] = queue.Queue()
+        self._writer = None
+        if self.lower:
+            self._writer = threading.Thread(target=self._write_below, name="kvtier-writer", daemon=True)
+            self._writer.start()
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return [self.l1, *self.lower]
+
+    def spans(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[ChunkSpan]:
+        return chunk_spans(namespace, tokens, self.chunk_size)
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> LookupResult:
+        spans = self.spans(namespace, tokens)
+        keys = [span.key for span in spans]
+        where: list[str | None] = [self.l1.name if hit else None for hit in self.l1.contains(keys)]
+        for tier in self.lower:
+            first_miss = next((i for i, name in enumerate(where) if name is None), len(where))
+            missing = [i for i in range(first_miss, len(where)) if where[i] is None]
+            if not missing:
+                break
+            for i, hit in zip(missing, self._contains(tier, [keys[i] for i in missing])):
+                if hit:
+                    where[i] = tier.name
+        count = next((i for i, name in enumerate(where) if name is None), len(where))
+        return LookupResult(spans[count - 1].end if count else 0, spans[:count], where[:count])
+
+    # -- retrieve ----------------------------------------------------------------------------
+
+    def retrieve(
+        self, namespace: Namespace, tokens: Sequence[int] | np.ndarray, max_tokens: int | None = None
+    ) -> Retrieval:
+        """The longest contiguous cached prefix of ``tokens`` (up to ``max_tokens``), checked
+        against the namespace's layout. Use as a context manager."""
+        leases: list[Lease] = []
+        chunks: list[RetrievedChunk] = []
+        layout = namespace.layout
+        for span in self.spans(namespace, tokens):
+            if max_tokens is not None and span.end > max_tokens:
+                break
+            found = self.l1.lease(span.key) or self._promote(span.key, namespace)
+            if found is None:
+                break
+            if isinstance(found, Lease):
+                leases.append(found)
+                found = found.view
+            try:  # what L1 holds (or _promote returns) was sealed or checked here: the header is enough
+                header, payload = open_object(found, span.key, layout, verify_checksum=False)
+            except ObjectError as exc:
+                log.error("refusing L1 object %s: %s", span.key.hex()[:16], exc)
+                self.stats.corrupt += 1
+                break
+            if header.num_tokens != span.num_tokens:
+                break
+            chunks.append(RetrievedChunk(span, payload))
+        return Retrieval(chunks, lambda: [self.l1.release(lease) for lease in leases])
+
+    def _promote(self, key: bytes, namespace: Namespace) -> Lease | memoryview | None:
+        """Copy an object from the first lower tier that has it into L1, decoded to raw. Where L1
+        has no room (every object pinned), the checked object itself is returned unpromoted."""
+        for tier in self.lower:
+            data = self._get(tier, key)
+            if data is None:
+                continue
+            try:
+                header, _ = check_object(data, key)
+                payload = decode_payload(data, key, namespace.layout, verify_checksum=False)
+            except ObjectError as exc:
+                log.warning("corrupt object %s in %s: %s", key.hex()[:16], tier.name, exc)
+                self.stats.corrupt += 1
+                tier.delete([key])
+                continue
+            reservation = self.l1.reserve(key, object_size(len(payload)))
+            if reservation is None:  # stored meanwhile by another caller, or no room
+                return self.l1.lease(key) or self._raw_object(key, namespace, header.num_tokens, payload)
+            reservation.view[HEADER_SIZE:] = payload
+            seal(reservation.view, key, namespace.layout, header.num_tokens)
+            self.l1.commit(reservation)
+            self.stats.promotions += 1
+            return self.l1.lease(key)
+        return None
+
+    @staticmethod
+    def _raw_object(key: bytes, namespace: Namespace, num_tokens: int, payload: memoryview) -> memoryview:
+        buf = memoryview(bytearray(object_size(len(payload))))
+        buf[HEADER_SIZE:] = payload
+        seal(buf, key, namespace.layout, num_tokens)
+        return buf
+
+    # -- store -------------------------------------------------------------------------------
+
+    def store(
+        self,
+        namespace: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        fill: FillFn,
+        start: int = 0,
+        end: int | None = None,
+    ) -> int:
+        """Store the chunks of ``tokens`` that end after ``start`` and no later than ``end``
+        (default: all, with the last partial chunk) and are not cached yet. ``fill`` writes a
+        chunk's raw KV straight into its L1 slot. Returns the number of chunks stored."""
+        layout = namespace.layout
+        stored = 0
+        spans = self.spans(namespace, tokens)
+        present = self.l1.contains([s.key for s in spans])
+        for span, in_l1 in zip(spans, present):
+            if span.end <= start or (end is not None and span.end > end):
+                continue
+            if in_l1:
+                self.stats.skipped_chunks += 1
+                continue
+            reservation = self.l1.reserve(span.key, object_size(span.num_tokens * layout.bytes_per_token))
+            if reservation is None:
+                if self.l1.contains([span.key])[0]:
+                    self.stats.skipped_chunks += 1
+                    continue
+                self.stats.failed_chunks += 1
+                break  # later chunks would be unreachable without this one
+            try:
+                fill(span, reservation.view[HEADER_SIZE:])
+                seal(reservation.view, span.key, layout, span.num_tokens)
+            except BaseException:
+                self.l1.abort(reservation)
+                raise
+            self.l1.commit(reservation)
+            stored += 1
+            self.stats.stored_chunks += 1
+            self.stats.stored_tokens += span.num_tokens
+            self._queue_write(span.key)
+        return stored
+
+    def _queue_write(self, key: bytes) -> None:
+        if self._writer is None:
+            return
+        lease = self.l1.lease(key)
+        if lease is None:
+            return
+        with self._queue_lock:
+            if self._queued_bytes + len(lease.view) > self._queue_limit:
+                self.stats.dropped_writes += 1
+                self.l1.release(lease)
+                return
+            self._queued_bytes += len(lease.view)
+        self.stats.queued_writes += 1
+        self._queue.put(lease)
+
+    def _write_below(self) -> None:
+        while (lease := self._queue.get()) is not None:
+            try:
+                for tier in self.lower:
+                    if not self._put(tier, lease.key, lease.view):
+                        self.stats.failed_writes += 1
+            finally:
+                with self._queue_lock:
+                    self._queued_bytes -= len(lease.view)
+                self.l1.release(lease)
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued lower-tier write is done (tests, shutdown)."""
+        if self._writer is not None:
+            self._queue.join()
+
+    # -- admin -------------------------------------------------------------------------------
+
+    def clear(self) -> int:
+        """Remove every object from every tier; returns how many were removed."""
+        self.flush()
+        return sum(tier.clear() for tier in self.tiers)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self.flush()
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
+        for tier in self.tiers:
+            tier.close()
+
+    # -- lower tiers fail open: an error is a miss or a dropped write, never the caller's ------
+
+    def _contains(self, tier: Tier, keys: list[bytes]) -> list[bool]:
+        try:
+            return tier.contains(keys)
+        except Exception:
+            log.exception("%s: contains failed", tier.name)
+            tier.stats.errors += 1
+            return [False] * len(keys)
+
+    def _get(self, tier: Tier, key: bytes):
+        try:
+            return tier.get([key])[0]
+        except Exception:
+            log.exception("%s: get failed", tier.name)
+            tier.stats.errors += 1
+            return None
+
+    def _put(self, tier: Tier, key: bytes, data: memoryview) -> bool:
+        try:
+            return tier.put([(key, data)])[0]
+        except Exception:
+            log.exception("%s: put failed", tier.name)
+            tier.stats.errors += 1
+            return False

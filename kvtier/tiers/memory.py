@@ -1,0 +1,242 @@
+"""L1: a memory tier on a preallocated arena, with inline eviction and reader pins.
+
+Writes are two-phase (``reserve`` a slot, fill it, ``commit``) so that a half-written object is
+never visible; reads are leases (``lease``, read the view, ``release``) so that an object a reader
+holds is never evicted or overwritten. Eviction runs inside ``reserve`` when the put would pass the
+trigger watermark, so a burst of writes never fails for want of a background thread catching up.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.objects import read_header
+from kvtier.tiers.arena import Allocator, align_up, allocate_buffer
+from kvtier.tiers.base import Tier, TierUsage
+from kvtier.tiers.eviction import make_policy
+
+
+@dataclass
+class _Slot:
+    offset: int
+    size: int  # bytes of the object
+    reserved: int  # bytes taken in the arena (aligned)
+    committed: bool = False
+    pins: int = 0
+    doomed: bool = False  # removed while pinned: freed by the last release
+
+    @property
+    def visible(self) -> bool:
+        return self.committed and not self.doomed
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A writable slot for one object; invisible to readers until committed."""
+
+    key: bytes
+    view: memoryview
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A pinned, read-only view of one committed object; release it when done."""
+
+    key: bytes
+    view: memoryview
+
+
+class MemoryTier(Tier):
+    name = "L1"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        eviction_policy: str = "LRU",
+        eviction_trigger_watermark: float = 0.8,
+        eviction_ratio: float = 0.2,
+        buffer=None,
+    ) -> None:
+        """``buffer`` lets a caller supply the arena (shared memory, say); by default it is
+        anonymous memory of ``capacity_bytes``, touched up front."""
+        super().__init__()
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+            raise ConfigError(f"L1 capacity must be a positive number of bytes, got {capacity_bytes!r}")
+        if not 0 < eviction_trigger_watermark <= 1:
+            raise ConfigError(f"eviction_trigger_watermark must be in (0, 1], got {eviction_trigger_watermark!r}")
+        if not 0 <= eviction_ratio <= 1:
+            raise ConfigError(f"eviction_ratio must be in [0, 1], got {eviction_ratio!r}")
+        capacity = capacity_bytes // 4096 * 4096
+        if capacity < 4096:
+            raise ConfigError("L1 capacity must be at least 4 KiB")
+        self.capacity = capacity
+        self.buffer = buffer if buffer is not None else allocate_buffer(capacity)
+        if len(self.buffer) < capacity:
+            raise ConfigError(f"arena buffer is {len(self.buffer)} bytes, smaller than the capacity {capacity}")
+        self._arena = memoryview(self.buffer)
+        self._allocator = Allocator(capacity)
+        self._policy = make_policy(eviction_policy)
+        self._trigger = eviction_trigger_watermark * capacity
+        self._evict_extra = eviction_ratio * capacity
+        self._slots: dict[bytes, _Slot] = {}
+        self._lock = threading.Lock()
+
+    # -- two-phase write ---------------------------------------------------------------------
+
+    def reserve(self, key: bytes, size: int) -> Reservation | None:
+        """A slot for an object of ``size`` bytes, evicting inline if needed. None if the key is
+        already stored or being written, or if no room can be made (all pinned, or too big)."""
+        needed = align_up(size)
+        with self._lock:
+            if key in self._slots:
+                return None
+            offset = self._allocate(needed)
+            if offset is None:
+                self.stats.rejected_puts += 1
+                return None
+            self._slots[key] = _Slot(offset, size, needed)
+        return Reservation(key, self._arena[offset : offset + size])
+
+    def commit(self, reservation: Reservation) -> None:
+        """Make a filled slot visible to readers."""
+        with self._lock:
+            slot = self._slots[reservation.key]
+            slot.committed = True
+            self._policy.inserted(reservation.key)
+            self.stats.puts += 1
+            self.stats.put_bytes += slot.size
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give back a slot that will not be committed."""
+        with self._lock:
+            slot = self._slots.get(reservation.key)
+            if slot is not None and not slot.committed:
+                del self._slots[reservation.key]
+                self._allocator.free(slot.offset, slot.reserved)
+
+    # -- leased read -------------------------------------------------------------------------
+
+    def lease(self, key: bytes) -> Lease | None:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None or not slot.visible:
+                self.stats.misses += 1
+                return None
+            slot.pins += 1
+            self._policy.accessed(key)
+            self.stats.hits += 1
+            self.stats.get_bytes += slot.size
+        return Lease(key, self._arena[slot.offset : slot.offset + slot.size].toreadonly())
+
+    def release(self, lease: Lease) -> None:
+        with self._lock:
+            slot = self._slots[lease.key]
+            slot.pins -= 1
+            if slot.doomed and slot.pins == 0:
+                del self._slots[lease.key]
+                self._allocator.free(slot.offset, slot.reserved)
+
+    # -- the Tier interface ------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [(slot := self._slots.get(k)) is not None and slot.visible for k in keys]
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        results: list[bytes | None] = []
+        for key in keys:
+            lease = self.lease(key)
+            if lease is None:
+                results.append(None)
+                continue
+            try:
+                results.append(bytes(lease.view))
+            finally:
+                self.release(lease)
+        return results
+
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        results = []
+        for key, data in items:
+            data = memoryview(data).cast("B")
+            read_header(data)  # refuse what is not an object before it takes room
+            reservation = self.reserve(key, len(data))
+            if reservation is None:
+                results.append(self.contains([key])[0])
+                continue
+            reservation.view[:] = data
+            self.commit(reservation)
+            results.append(True)
+        return results
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            return sum(self._remove(key) for key in keys)
+
+    def clear(self) -> int:
+        with self._lock:
+            return sum(self._remove(key) for key in list(self._slots))
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(
+                used_bytes=self.capacity - self._allocator.free_bytes,
+                capacity_bytes=self.capacity,
+                objects=sum(slot.visible for slot in self._slots.values()),
+            )
+
+    # -- inside the lock ---------------------------------------------------------------------
+
+    def _allocate(self, needed: int) -> int | None:
+        if needed > self.capacity:
+            return None
+        used = self.capacity - self._allocator.free_bytes
+        if used + needed > self._trigger:
+            self._evict(target_used=self._trigger - self._evict_extra - needed)
+        offset = self._allocator.allocate(needed)
+        if offset is None:  # fragmented or pinned: evict one by one until it fits
+            for key in self._evictable():
+                self._evict_one(key)
+                offset = self._allocator.allocate(needed)
+                if offset is not None:
+                    break
+        return offset
+
+    def _evictable(self) -> list[bytes]:
+        return [k for k in self._policy.candidates() if self._slots[k].pins == 0]
+
+    def _evict(self, target_used: float) -> None:
+        used = self.capacity - self._allocator.free_bytes
+        victims = []
+        for key in self._policy.candidates():
+            if used <= target_used:
+                break
+            slot = self._slots[key]
+            if slot.pins == 0:
+                victims.append(key)
+                used -= slot.reserved
+        for key in victims:
+            self._evict_one(key)
+
+    def _evict_one(self, key: bytes) -> None:
+        size = self._slots[key].size
+        if self._remove(key):
+            self.stats.evictions += 1
+            self.stats.evicted_bytes += size
+
+    def _remove(self, key: bytes) -> bool:
+        """Make a committed object invisible; its memory is freed now, or by the last release
+        if a reader holds it (its bytes stay intact until then)."""
+        slot = self._slots.get(key)
+        if slot is None or not slot.visible:
+            return False
+        self._policy.removed(key)
+        if slot.pins:
+            slot.doomed = True
+        else:
+            del self._slots[key]
+            self._allocator.free(slot.offset, slot.reserved)
+        return True

@@ -1,0 +1,107 @@
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.keys import Namespace, canonical_tokens, chunk_spans
+from kvtier.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=64, dtype="float32", block_size=16)
+NS = Namespace(model="tiny-llama", layout=LAYOUT, revision="abc")
+TOKENS = list(range(1000, 1700))
+
+_CHILD = """
+import json, sys
+from kvtier.keys import Namespace, chunk_spans
+from kvtier.layout import KVLayout
+ns = Namespace(model="tiny-llama", layout=KVLayout(num_layers=4, num_kv_heads=2, head_size=64,
+               dtype="float32", block_size=16), revision="abc")
+print(json.dumps([s.key.hex() for s in chunk_spans(ns, list(range(1000, 1700)), 256)]))
+"""
+
+
+def test_keys_ignore_pythonhashseed():
+    results = set()
+    for seed in ("0", "1", "12345", "random"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True)
+        results.add(out.stdout)
+    assert len(results) == 1
+    assert json.loads(results.pop()) == [s.key.hex() for s in chunk_spans(NS, TOKENS, 256)]
+
+
+def test_chunks_cover_the_tokens_with_a_partial_tail():
+    spans = chunk_spans(NS, TOKENS, 256)
+    assert [(s.start, s.end) for s in spans] == [(0, 256), (256, 512), (512, 700)]
+    assert [(s.start, s.end) for s in chunk_spans(NS, TOKENS, 256, include_partial=False)] == [(0, 256), (256, 512)]
+
+
+def test_a_key_names_the_whole_prefix():
+    a = chunk_spans(NS, TOKENS, 256)
+    b = chunk_spans(NS, [7] + TOKENS[1:], 256)  # first token differs: every key differs
+    assert all(x.key != y.key for x, y in zip(a, b))
+    c = chunk_spans(NS, TOKENS[:512] + [1, 2, 3], 256)  # same first two chunks
+    assert [s.key for s in c[:2]] == [s.key for s in a[:2]] and c[2].key != a[2].key
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "other-model"},
+        {"revision": "def"},
+        {"tenant_salt": b"tenant-b"},
+        {"layout": dataclasses.replace(LAYOUT, num_layers=5)},
+        {"layout": dataclasses.replace(LAYOUT, num_kv_heads=4)},
+        {"layout": dataclasses.replace(LAYOUT, head_size=128)},
+        {"layout": dataclasses.replace(LAYOUT, dtype="bfloat16")},
+        {"layout": dataclasses.replace(LAYOUT, block_size=32)},
+        {"layout": dataclasses.replace(LAYOUT, tp_size=2, tp_rank=1)},
+        {"layout": dataclasses.replace(LAYOUT, tp_size=2, tp_rank=0)},
+        {"layout": dataclasses.replace(LAYOUT, group="mla")},
+        {"layout": dataclasses.replace(LAYOUT, arrangement="vllm-cpu-blocks")},
+    ],
+)
+def test_any_namespace_change_changes_every_key(change):
+    other = dataclasses.replace(NS, **change)
+    mine = {s.key for s in chunk_spans(NS, TOKENS, 256)}
+    theirs = {s.key for s in chunk_spans(other, TOKENS, 256)}
+    assert not mine & theirs
+
+
+def test_token_dtype_does_not_change_keys():
+    import numpy as np
+
+    for dtype in (np.int64, np.int32, np.uint32):
+        assert chunk_spans(NS, np.array(TOKENS, dtype=dtype), 256) == chunk_spans(NS, TOKENS, 256)
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [[1, 2]], [1.5]])
+def test_bad_tokens_are_refused(bad):
+    with pytest.raises(ValueError):
+        canonical_tokens(bad)
+
+
+@pytest.mark.parametrize("size", [0, -3, 2.5, "256"])
+def test_bad_chunk_size_is_refused(size):
+    with pytest.raises(ConfigError):
+        chunk_spans(NS, TOKENS, size)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"num_layers": 0},
+        {"head_size": -1},
+        {"dtype": "float64x"},
+        {"tp_rank": 2, "tp_size": 2},
+        {"num_kv_heads": True},
+        {"group": ""},
+    ],
+)
+def test_bad_layout_is_refused(fields):
+    with pytest.raises(ConfigError):
+        dataclasses.replace(LAYOUT, **fields)
