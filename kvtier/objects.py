@@ -71,17 +71,17 @@ def _checksum(prefix: bytes | memoryview, payload: memoryview) -> int:
     return h.intdigest()
 
 
-def seal(buf: memoryview, key: bytes, layout: KVLayout, num_tokens: int, codec_id: int = 0) -> ObjectHeader:
+def seal(buf: memoryview, key: bytes, layout_fingerprint: bytes, num_tokens: int, codec_id: int = 0) -> ObjectHeader:
     """Write the header into ``buf[:HEADER_SIZE]`` for the payload already in ``buf[HEADER_SIZE:]``.
 
     This is how an object is built in place (in an arena slot, say) without copying the payload.
     """
     payload = buf[HEADER_SIZE:]
-    prefix = _pack_prefix(codec_id, layout.fingerprint, key, num_tokens, len(payload))
+    prefix = _pack_prefix(codec_id, layout_fingerprint, key, num_tokens, len(payload))
     checksum = _checksum(prefix, payload)
     buf[:_CHECKED_PREFIX] = prefix
     buf[_CHECKED_PREFIX:HEADER_SIZE] = struct.pack("<Q", checksum)
-    return ObjectHeader(codec_id, layout.fingerprint, key, num_tokens, len(payload), checksum)
+    return ObjectHeader(codec_id, layout_fingerprint, key, num_tokens, len(payload), checksum)
 
 
 def build_object(
@@ -97,7 +97,7 @@ def build_object(
     buf = bytearray(object_size(len(stored)))
     view = memoryview(buf)
     view[HEADER_SIZE:] = stored
-    seal(view, key, layout, num_tokens, chosen.codec_id)
+    seal(view, key, layout.fingerprint, num_tokens, chosen.codec_id)
     return buf
 
 

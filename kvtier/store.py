@@ -7,6 +7,10 @@
 Writes below L1 never block the caller: they go through a queue bounded in bytes, and when it is
 full the write is dropped and counted. A chunk is visible only once its slot is committed, and a
 lookup stops at the first missing chunk, so a store that failed part-way is never seen.
+
+The key-level methods (``locate``, ``acquire``/``release``, ``reserve``/``commit``/``abort``)
+are what a server exposes; the token-level ones (``lookup``, ``retrieve``, ``store``) add chunking
+and the layout check for callers in the engine's process.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import numpy as np
 
 from kvtier.errors import ObjectError
 from kvtier.keys import ChunkSpan, Namespace, chunk_spans
-from kvtier.objects import HEADER_SIZE, check_object, decode_payload, object_size, open_object, seal
+from kvtier.objects import HEADER_SIZE, decode_payload, object_size, seal
 from kvtier.tiers.base import Tier
-from kvtier.tiers.memory import Lease, MemoryTier
+from kvtier.tiers.memory import Lease, MemoryTier, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +80,7 @@ class StoreStats:
     dropped_writes: int = 0  # lower-tier write queue full
     failed_writes: int = 0  # a lower tier refused or failed
     promotions: int = 0
-    corrupt: int = 0
+    refused: int = 0  # objects that did not fit the key or layout they were read for
 
 
 class TieredStore:
@@ -106,14 +110,10 @@ class TieredStore:
     def tiers(self) -> list[Tier]:
         return [self.l1, *self.lower]
 
-    def spans(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[ChunkSpan]:
-        return chunk_spans(namespace, tokens, self.chunk_size)
+    # -- key level ---------------------------------------------------------------------------
 
-    # -- lookup ------------------------------------------------------------------------------
-
-    def lookup(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> LookupResult:
-        spans = self.spans(namespace, tokens)
-        keys = [span.key for span in spans]
+    def locate(self, keys: Sequence[bytes]) -> list[str]:
+        """For the longest contiguous cached prefix of ``keys``: the highest tier holding each."""
         where: list[str | None] = [self.l1.name if hit else None for hit in self.l1.contains(keys)]
         for tier in self.lower:
             first_miss = next((i for i, name in enumerate(where) if name is None), len(where))
@@ -124,71 +124,92 @@ class TieredStore:
                 if hit:
                     where[i] = tier.name
         count = next((i for i, name in enumerate(where) if name is None), len(where))
-        return LookupResult(spans[count - 1].end if count else 0, spans[:count], where[:count])
+        return where[:count]  # type: ignore[return-value]
 
-    # -- retrieve ----------------------------------------------------------------------------
+    def acquire(self, keys: Sequence[bytes]) -> list[Lease]:
+        """Whole objects for the longest contiguous cached prefix of ``keys``, promoting
+        lower-tier hits into L1. Hand the list back to ``release`` when done."""
+        leases = []
+        for key in keys:
+            lease = self.l1.lease(key) or self._promote(key)
+            if lease is None:
+                break
+            leases.append(lease)
+        return leases
+
+    def release(self, leases: Sequence[Lease]) -> None:
+        for lease in leases:
+            if lease.pinned:
+                self.l1.release(lease)
+
+    def reserve(self, key: bytes, size: int) -> Reservation | None:
+        """An L1 slot for a whole object; None if the key is cached already or there is no room."""
+        return self.l1.reserve(key, size)
+
+    def commit(self, reservation: Reservation) -> None:
+        """Make a filled, sealed slot visible and queue its write to the lower tiers."""
+        self.l1.commit(reservation)
+        self._queue_write(reservation.key)
+
+    def abort(self, reservation: Reservation) -> None:
+        self.l1.abort(reservation)
+
+    def _promote(self, key: bytes) -> Lease | None:
+        """Copy an object as it is from the first lower tier that has it into L1. Where L1 has
+        no room (every object pinned), the checked object comes back unpinned in its own buffer."""
+        reservation: Reservation | None = None
+
+        def allocate(size: int) -> memoryview:
+            nonlocal reservation
+            reservation = self.l1.reserve(key, size)
+            return reservation.view if reservation is not None else memoryview(bytearray(size))
+
+        for tier in self.lower:
+            view = self._get_into(tier, key, allocate)
+            if view is not None:
+                break
+            if reservation is not None:
+                self.l1.abort(reservation)
+                reservation = None
+        else:
+            return None
+        if reservation is None:
+            return Lease(key, view.toreadonly(), pinned=False)
+        self.l1.commit(reservation)
+        self.stats.promotions += 1
+        return self.l1.lease(key) or Lease(key, bytes(view), pinned=False)
+
+    # -- token level -------------------------------------------------------------------------
+
+    def spans(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[ChunkSpan]:
+        return chunk_spans(namespace, tokens, self.chunk_size)
+
+    def lookup(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> LookupResult:
+        spans = self.spans(namespace, tokens)
+        where = self.locate([span.key for span in spans])
+        hit = spans[: len(where)]
+        return LookupResult(hit[-1].end if hit else 0, hit, where)
 
     def retrieve(
         self, namespace: Namespace, tokens: Sequence[int] | np.ndarray, max_tokens: int | None = None
     ) -> Retrieval:
-        """The longest contiguous cached prefix of ``tokens`` (up to ``max_tokens``), checked
-        against the namespace's layout. Use as a context manager."""
-        leases: list[Lease] = []
-        chunks: list[RetrievedChunk] = []
-        layout = namespace.layout
-        for span in self.spans(namespace, tokens):
-            if max_tokens is not None and span.end > max_tokens:
-                break
-            found = self.l1.lease(span.key) or self._promote(span.key, namespace)
-            if found is None:
-                break
-            if isinstance(found, Lease):
-                leases.append(found)
-                found = found.view
-            try:  # what L1 holds (or _promote returns) was sealed or checked here: the header is enough
-                header, payload = open_object(found, span.key, layout, verify_checksum=False)
+        """The longest contiguous cached prefix of ``tokens`` (up to ``max_tokens``) as raw KV,
+        checked against the namespace's layout. Use as a context manager."""
+        spans = [s for s in self.spans(namespace, tokens) if max_tokens is None or s.end <= max_tokens]
+        leases = self.acquire([span.key for span in spans])
+        chunks = []
+        for span, lease in zip(spans, leases):
+            try:  # objects in L1 were sealed here or checked on the way in: the header check is enough
+                payload = decode_payload(lease.view, span.key, namespace.layout, verify_checksum=False)
             except ObjectError as exc:
-                log.error("refusing L1 object %s: %s", span.key.hex()[:16], exc)
-                self.stats.corrupt += 1
+                log.error("refusing object %s: %s", span.key.hex()[:16], exc)
+                self.stats.refused += 1
                 break
-            if header.num_tokens != span.num_tokens:
+            if len(payload) != span.num_tokens * namespace.layout.bytes_per_token:
+                self.stats.refused += 1
                 break
             chunks.append(RetrievedChunk(span, payload))
-        return Retrieval(chunks, lambda: [self.l1.release(lease) for lease in leases])
-
-    def _promote(self, key: bytes, namespace: Namespace) -> Lease | memoryview | None:
-        """Copy an object from the first lower tier that has it into L1, decoded to raw. Where L1
-        has no room (every object pinned), the checked object itself is returned unpromoted."""
-        for tier in self.lower:
-            data = self._get(tier, key)
-            if data is None:
-                continue
-            try:
-                header, _ = check_object(data, key)
-                payload = decode_payload(data, key, namespace.layout, verify_checksum=False)
-            except ObjectError as exc:
-                log.warning("corrupt object %s in %s: %s", key.hex()[:16], tier.name, exc)
-                self.stats.corrupt += 1
-                tier.delete([key])
-                continue
-            reservation = self.l1.reserve(key, object_size(len(payload)))
-            if reservation is None:  # stored meanwhile by another caller, or no room
-                return self.l1.lease(key) or self._raw_object(key, namespace, header.num_tokens, payload)
-            reservation.view[HEADER_SIZE:] = payload
-            seal(reservation.view, key, namespace.layout, header.num_tokens)
-            self.l1.commit(reservation)
-            self.stats.promotions += 1
-            return self.l1.lease(key)
-        return None
-
-    @staticmethod
-    def _raw_object(key: bytes, namespace: Namespace, num_tokens: int, payload: memoryview) -> memoryview:
-        buf = memoryview(bytearray(object_size(len(payload))))
-        buf[HEADER_SIZE:] = payload
-        seal(buf, key, namespace.layout, num_tokens)
-        return buf
-
-    # -- store -------------------------------------------------------------------------------
+        return Retrieval(chunks, lambda: self.release(leases))
 
     def store(
         self,
@@ -211,7 +232,7 @@ class TieredStore:
             if in_l1:
                 self.stats.skipped_chunks += 1
                 continue
-            reservation = self.l1.reserve(span.key, object_size(span.num_tokens * layout.bytes_per_token))
+            reservation = self.reserve(span.key, object_size(span.num_tokens * layout.bytes_per_token))
             if reservation is None:
                 if self.l1.contains([span.key])[0]:
                     self.stats.skipped_chunks += 1
@@ -220,16 +241,17 @@ class TieredStore:
                 break  # later chunks would be unreachable without this one
             try:
                 fill(span, reservation.view[HEADER_SIZE:])
-                seal(reservation.view, span.key, layout, span.num_tokens)
+                seal(reservation.view, span.key, layout.fingerprint, span.num_tokens)
             except BaseException:
-                self.l1.abort(reservation)
+                self.abort(reservation)
                 raise
-            self.l1.commit(reservation)
+            self.commit(reservation)
             stored += 1
             self.stats.stored_chunks += 1
             self.stats.stored_tokens += span.num_tokens
-            self._queue_write(span.key)
         return stored
+
+    # -- writes below L1 ---------------------------------------------------------------------
 
     def _queue_write(self, key: bytes) -> None:
         if self._writer is None:
@@ -289,9 +311,9 @@ class TieredStore:
             tier.stats.errors += 1
             return [False] * len(keys)
 
-    def _get(self, tier: Tier, key: bytes):
+    def _get_into(self, tier: Tier, key: bytes, allocate: Callable[[int], memoryview]) -> memoryview | None:
         try:
-            return tier.get([key])[0]
+            return tier.get_into(key, allocate)
         except Exception:
             log.exception("%s: get failed", tier.name)
             tier.stats.errors += 1

@@ -127,3 +127,116 @@ def test_retrieve_cap_and_concurrent_readers():
     [t.join() for t in threads]
     assert not failures
     assert store.l1.usage().objects == 5
+
+
+# -- with a real disk tier below L1 ----------------------------------------------------------
+
+from kvtier.tiers.base import Tier  # noqa: E402
+from kvtier.tiers.disk import DiskTier  # noqa: E402
+
+
+def test_writes_reach_disk_and_disk_hits_are_promoted(tmp_path):
+    store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
+    tokens = np.arange(40)
+    store.store(NS, tokens, fill_for(tokens))
+    store.flush()
+    assert store.lower[0].usage().objects == 3
+    store.l1.clear()
+    assert store.lookup(NS, tokens).tiers == ["L2", "L2", "L2"]
+    with store.retrieve(NS, tokens) as r:
+        got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
+    np.testing.assert_array_equal(got, kv_of(tokens))
+    assert store.stats.promotions == 3
+    assert store.lookup(NS, tokens).tiers == ["L1", "L1", "L1"]
+    store.close()
+
+
+def test_restart_keeps_disk_hits(tmp_path):
+    tokens = np.arange(40)
+    first = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
+    first.store(NS, tokens, fill_for(tokens))
+    first.close()
+    second = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
+    assert second.lookup(NS, tokens).hit_tokens == 40
+    with second.retrieve(NS, tokens) as r:
+        assert r.num_tokens == 40
+    second.close()
+
+
+def test_corrupt_disk_object_is_a_miss_not_wrong_kv(tmp_path):
+    store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
+    tokens = np.arange(40)
+    store.store(NS, tokens, fill_for(tokens))
+    store.flush()
+    store.l1.clear()
+    victim = tmp_path / "l2" / f"{store.spans(NS, tokens)[1].key.hex()}.kv"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(data)
+    with store.retrieve(NS, tokens) as r:
+        assert r.num_tokens == 16
+        np.testing.assert_array_equal(np.frombuffer(r.chunks[0].payload, dtype=np.float32), kv_of(tokens[:16]))
+    assert store.lower[0].stats.corrupt == 1 and not victim.exists()
+    store.close()
+
+
+class _SlowTier(Tier):
+    """Blocks every put until released: lets a test fill the write queue deterministically."""
+
+    name = "slow"
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.stored = {}
+
+    def contains(self, keys):
+        return [k in self.stored for k in keys]
+
+    def get(self, keys):
+        return [self.stored.get(k) for k in keys]
+
+    def put(self, items):
+        self.gate.wait()
+        self.stored.update((k, bytes(v)) for k, v in items)
+        return [True] * len(items)
+
+    def delete(self, keys):
+        return sum(self.stored.pop(k, None) is not None for k in keys)
+
+    def usage(self):
+        raise NotImplementedError
+
+
+class _BrokenTier(_SlowTier):
+    name = "broken"
+
+    def contains(self, keys):
+        raise ConnectionError("down")
+
+    get = put = contains
+
+
+def test_full_write_queue_drops_and_counts_instead_of_blocking(tmp_path):
+    slow = _SlowTier()
+    store = TieredStore(MemoryTier(1 << 20), [slow], chunk_size=CHUNK, write_queue_bytes=3 * 1200)
+    tokens = np.arange(160)  # 10 chunks of 1104 bytes: 3 fit the queue
+    assert store.store(NS, tokens, fill_for(tokens)) == 10  # returns at once although the tier is stuck
+    assert (store.stats.queued_writes, store.stats.dropped_writes) == (3, 7)
+    slow.gate.set()
+    store.flush()
+    assert len(slow.stored) == store.stats.queued_writes
+    store.close()
+
+
+def test_broken_lower_tier_is_a_miss_and_a_failed_write():
+    store = TieredStore(MemoryTier(1 << 20), [_BrokenTier()], chunk_size=CHUNK)
+    tokens = np.arange(40)
+    assert store.store(NS, tokens, fill_for(tokens)) == 3
+    store.flush()
+    assert store.stats.failed_writes == 3
+    store.l1.clear()
+    assert store.lookup(NS, tokens).hit_tokens == 0
+    with store.retrieve(NS, tokens) as r:
+        assert r.num_tokens == 0
+    store.close()

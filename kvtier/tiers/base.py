@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 @dataclass
@@ -55,6 +55,16 @@ class Tier(ABC):
     @abstractmethod
     def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
         """Whole, checked objects (or None for a miss), in the order of ``keys``."""
+
+    def get_into(self, key: bytes, allocate: Callable[[int], memoryview]) -> memoryview | None:
+        """Read one checked object into ``allocate(size)`` (an L1 slot, say) and return that
+        view, or None for a miss. Tiers that can read straight into memory override this."""
+        data = self.get([key])[0]
+        if data is None:
+            return None
+        dest = allocate(len(data))
+        dest[:] = data
+        return dest
 
     @abstractmethod
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:

@@ -43,10 +43,12 @@ class Reservation:
 
 @dataclass(frozen=True)
 class Lease:
-    """A pinned, read-only view of one committed object; release it when done."""
+    """A read-only view of one committed object, pinned in the arena until released. A lease
+    with ``pinned=False`` holds a private copy instead (nothing to release)."""
 
     key: bytes
     view: memoryview
+    pinned: bool = True
 
 
 class MemoryTier(Tier):

@@ -1,0 +1,391 @@
+"""L2: a disk tier in one directory, with a hard byte capacity and a cache that survives restarts.
+
+Each object is one file named by its key (``<64 hex>.kv``). Writes go to a temp name in the same
+directory, are fsynced and renamed, so a crash leaves either the whole object or a temp file that
+the next start removes; the directory itself is not fsynced, because a rename lost in a crash is
+only a miss. Every read verifies the object's checksum: a bad, partial or foreign file is a miss
+and is deleted. The index is rebuilt from the directory at start.
+
+Room is reserved in the index before a write starts and eviction runs inline in ``put``, so the
+files in the directory, temp files included, never add up to more than the capacity. A directory
+belongs to one ``DiskTier`` at a time (an advisory lock enforces it): two indexes over one
+directory would each count only their own files and together exceed the capacity.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+import shutil
+import threading
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvtier.errors import ConfigError, ObjectError
+from kvtier.objects import check_object
+from kvtier.tiers.arena import ALIGNMENT, align_up
+from kvtier.tiers.base import Tier, TierUsage
+from kvtier.tiers.eviction import make_policy
+
+logger = logging.getLogger(__name__)
+
+OBJECT_NAME = re.compile(r"[0-9a-f]{64}\.kv")
+TEMP_NAME = re.compile(r"\.([0-9a-f]{64}|odirect-probe)\.tmp\.[0-9]+\.[0-9a-f]{8}")
+LOCK_NAME = ".kvtier-disk.lock"
+#: Share of the free space the tier may take when no capacity is given: the rest stays for
+#: everything else on the filesystem.
+DEFAULT_FREE_SPACE_SHARE = 0.5
+
+
+def _new_buffer(size: int) -> memoryview:
+    return memoryview(bytearray(size))
+
+
+def _page_aligned(buf: memoryview) -> bool:
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data % ALIGNMENT == 0
+
+
+@dataclass(eq=False)
+class _File:
+    """One indexed object file. Compared by identity, so a reader that failed on a file can tell
+    whether the key still names that file or was evicted and stored again meanwhile."""
+
+    size: int  # bytes on disk (padded to ALIGNMENT with O_DIRECT)
+
+
+class DiskTier(Tier):
+    name = "L2"
+
+    def __init__(
+        self,
+        base_path: str | os.PathLike[str],
+        max_capacity_bytes: int | None = None,
+        use_odirect: bool = False,
+        eviction_policy: str = "LRU",
+    ) -> None:
+        """``max_capacity_bytes`` None means what the existing cache uses plus half of the free
+        space of the filesystem now: a disk tier is never unbounded."""
+        super().__init__()
+        capacity = max_capacity_bytes
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
+            raise ConfigError(f"L2 capacity must be a positive number of bytes, got {max_capacity_bytes!r}")
+        self._policy = make_policy(eviction_policy)
+        self.path = Path(base_path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ConfigError(f"L2 path {self.path} exists and is not a directory") from None
+        except OSError as e:
+            raise ConfigError(f"cannot create the L2 directory {self.path}: {e}") from None
+        if not os.access(self.path, os.W_OK | os.X_OK):
+            raise ConfigError(f"L2 directory {self.path} is not writable")
+        self._lock = threading.Lock()
+        self._index: dict[bytes, _File] = {}
+        self._writing: set[bytes] = set()
+        self._used = 0  # indexed files plus room reserved by writes in flight
+        self._warned_errnos: set[int] = set()
+        self._lock_fd: int | None = self._lock_directory()
+        try:
+            self.odirect = use_odirect and self._odirect_works()  # False after a fallback
+            self._load_index()
+            if capacity is None:
+                capacity = self._used + int(shutil.disk_usage(self.path).free * DEFAULT_FREE_SPACE_SHARE)
+            self.capacity = capacity
+            with self._lock:
+                self._make_room(0)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the Tier interface ------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [key in self._index for key in keys]
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
+        return [self.get_into(key, _new_buffer) for key in keys]
+
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        return [self._put_one(key, data) for key, data in items]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            return sum(key in self._index and self._remove(key) for key in keys)
+
+    def clear(self) -> int:
+        with self._lock:
+            return sum(self._remove(key) for key in list(self._index))
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(used_bytes=self._used, capacity_bytes=self.capacity, objects=len(self._index))
+
+    def close(self) -> None:
+        """Release the directory for another ``DiskTier`` (a restart in the same process)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- reads and writes --------------------------------------------------------------------
+
+    def get_into(self, key: bytes, allocate: Callable[[int], memoryview]) -> memoryview | None:
+        """Read the file straight into ``allocate(file size)`` (an L1 slot: no extra copy)."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self.stats.misses += 1
+                return None
+        path = self._object_path(key)
+        try:
+            buf = self._read_file(path, allocate)
+            header, _ = check_object(buf, key)
+        except FileNotFoundError:  # deleted behind our back, or evicted before we opened it
+            with self._lock:
+                self.stats.misses += 1
+                if self._index.get(key) is entry:
+                    self._forget(key)
+            return None
+        except ObjectError as e:
+            logger.warning("L2 file %s is corrupt or foreign (%s); deleting it", path, e)
+            with self._lock:
+                self.stats.misses += 1
+                self.stats.corrupt += 1
+                if self._index.get(key) is entry:
+                    self._remove(key)
+            return None
+        except OSError as e:  # possibly transient (EMFILE, EIO): keep the entry, its file still counts
+            with self._lock:
+                self._warn_io_error("read", path, e)
+                self.stats.misses += 1
+                self.stats.errors += 1
+            return None
+        with self._lock:
+            if self._index.get(key) is entry:
+                self._policy.accessed(key)
+            self.stats.hits += 1
+            self.stats.get_bytes += header.object_size
+        return buf[: header.object_size]
+
+    def _put_one(self, key: bytes, data: bytes | memoryview) -> bool:
+        view = memoryview(data).cast("B")
+        try:
+            header, _ = check_object(view, key, verify_checksum=False)  # the caller sealed it
+        except ObjectError:
+            with self._lock:
+                self.stats.rejected_puts += 1
+            return False
+        obj = view[: header.object_size]
+        size = align_up(len(obj)) if self.odirect else len(obj)
+        with self._lock:
+            if key in self._index:
+                return True
+            if key in self._writing:  # another thread is storing the same object right now
+                return False
+            if not self._make_room(size):
+                self.stats.rejected_puts += 1
+                return False
+            self._writing.add(key)
+            self._used += size
+        try:
+            self._write_file(key, obj, size)
+        except OSError as e:
+            with self._lock:
+                self._warn_io_error("write", self._object_path(key), e)
+                self._writing.discard(key)
+                self._used -= size
+                self.stats.errors += 1
+            return False
+        with self._lock:
+            self._writing.discard(key)
+            self._index[key] = _File(size)
+            self._policy.inserted(key)
+            self.stats.puts += 1
+            self.stats.put_bytes += len(obj)
+        return True
+
+    def _object_path(self, key: bytes) -> Path:
+        return self.path / f"{key.hex()}.kv"
+
+    def _temp_path(self, stem: str) -> Path:
+        return self.path / f".{stem}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+
+    def _read_file(self, path: Path, allocate: Callable[[int], memoryview]) -> memoryview:
+        """The whole file, read into ``allocate(size)``. With O_DIRECT, memory that is not
+        page-aligned is read through an aligned bounce buffer (files are whole pages then)."""
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_DIRECT if self.odirect else 0)
+        fd = os.open(path, flags)
+        try:
+            size = os.fstat(fd).st_size
+            dest = allocate(size)
+            target = dest
+            if self.odirect and (size % ALIGNMENT or not _page_aligned(dest)):
+                target = memoryview(mmap.mmap(-1, max(align_up(size), ALIGNMENT)))
+            done = 0
+            while done < size:
+                n = os.preadv(fd, [target[done:]], done)
+                if n == 0:
+                    break
+                done += n
+        finally:
+            os.close(fd)
+        if target is not dest:
+            dest[:done] = target[:done]
+        return dest[:done]
+
+    def _write_file(self, key: bytes, obj: memoryview, size: int) -> None:
+        """Temp file, fsync, rename: the final name only ever holds a whole object."""
+        temp = self._temp_path(key.hex())
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self.odirect else 0)
+        segments = [obj]
+        if self.odirect:  # whole pages from aligned memory; the header gives the real length
+            head = len(obj) // ALIGNMENT * ALIGNMENT if _page_aligned(obj) else 0
+            segments = [obj[:head]]
+            if size > head:
+                tail = memoryview(mmap.mmap(-1, size - head))
+                tail[: len(obj) - head] = obj[head:]
+                segments.append(tail)
+        try:
+            fd = os.open(temp, flags, 0o644)
+            try:
+                for segment in segments:
+                    written = 0
+                    while written < len(segment):
+                        written += os.write(fd, segment[written:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, self._object_path(key))
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(temp)
+            raise
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def _lock_directory(self) -> int:
+        try:
+            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ConfigError(f"cannot write in the L2 directory {self.path}: {e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                f"L2 directory {self.path} is in use by another DiskTier; give each one its own directory"
+            ) from None
+        return fd
+
+    def _odirect_works(self) -> bool:
+        """Probe once whether this filesystem takes O_DIRECT; tmpfs and some others refuse it
+        (EINVAL), and then buffered I/O is used instead, with one warning."""
+        reason = "this platform has no O_DIRECT"
+        if hasattr(os, "O_DIRECT"):
+            probe = self._temp_path("odirect-probe")
+            page = mmap.mmap(-1, ALIGNMENT)
+            try:
+                fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT, 0o600)
+                try:
+                    os.write(fd, page)
+                    os.preadv(fd, [page], 0)
+                finally:
+                    os.close(fd)
+                return True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise ConfigError(f"cannot write in the L2 directory {self.path}: {e}") from None
+                reason = e.strerror or str(e)
+            finally:
+                with suppress(FileNotFoundError):
+                    os.unlink(probe)
+        logger.warning("O_DIRECT is not available for %s (%s); using buffered I/O", self.path, reason)
+        return False
+
+    def _load_index(self) -> None:
+        """Index the object files already there, oldest first for the policy; remove temp files
+        a crashed writer left; leave every other file alone (it is not ours)."""
+        found: list[tuple[int, str, int]] = []
+        temp_removed = foreign = 0
+        with os.scandir(self.path) as entries:
+            for entry in entries:
+                if entry.name == LOCK_NAME:
+                    continue
+                if not entry.is_file(follow_symlinks=False):
+                    foreign += 1
+                elif OBJECT_NAME.fullmatch(entry.name):
+                    stat = entry.stat(follow_symlinks=False)
+                    found.append((stat.st_mtime_ns, entry.name, stat.st_size))
+                elif TEMP_NAME.fullmatch(entry.name):
+                    with suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                    temp_removed += 1
+                else:
+                    foreign += 1
+        for _, name, size in sorted(found):
+            key = bytes.fromhex(name[:64])
+            self._index[key] = _File(size)
+            self._policy.inserted(key)
+            self._used += size
+        if foreign:
+            logger.warning(
+                "L2 directory %s holds %d entries that are not kvtier's; leaving them", self.path, foreign
+            )
+        self.stats.extra["foreign_files"] = foreign
+        self.stats.extra["temp_files_removed"] = temp_removed
+
+    # -- inside the lock ---------------------------------------------------------------------
+
+    def _make_room(self, size: int) -> bool:
+        """Evict by policy until ``size`` more bytes fit; False if they cannot."""
+        if size > self.capacity:
+            return False
+        excess = self._used + size - self.capacity
+        victims = []
+        for key in self._policy.candidates():
+            if excess <= 0:
+                break
+            victims.append(key)
+            excess -= self._index[key].size
+        for key in victims:
+            size_on_disk = self._index[key].size
+            if self._remove(key):
+                self.stats.evictions += 1
+                self.stats.evicted_bytes += size_on_disk
+        return self._used + size <= self.capacity
+
+    def _remove(self, key: bytes) -> bool:
+        """Delete an indexed object's file and entry. If the file cannot be deleted the entry
+        stays, so that the bytes it takes keep counting against the capacity."""
+        try:
+            os.unlink(self._object_path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self._warn_io_error("delete", self._object_path(key), e)
+            self.stats.errors += 1
+            return False
+        self._forget(key)
+        return True
+
+    def _forget(self, key: bytes) -> None:
+        self._used -= self._index.pop(key).size
+        self._policy.removed(key)
+
+    def _warn_io_error(self, action: str, path: Path, error: OSError) -> None:
+        """Warn once per errno: a full or read-only disk fails every put, and the log
+        should say so once, not once per chunk."""
+        if error.errno not in self._warned_errnos:
+            self._warned_errnos.add(error.errno)
+            logger.warning(
+                "L2 %s of %s failed: %s (further errors like it are only counted)", action, path, error
+            )

@@ -1,0 +1,381 @@
+import errno
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.errors import ConfigError
+from kvtier.layout import KVLayout
+from kvtier.objects import HEADER_SIZE, build_object
+from kvtier.tiers.arena import ALIGNMENT, align_up
+from kvtier.tiers.disk import LOCK_NAME, DiskTier
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")  # 256 bytes per token
+LOGGER = "kvtier.tiers.disk"
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def obj(i: int, tokens: int = 1) -> bytes:
+    return bytes(build_object(key(i), LAYOUT, tokens, bytes([i % 256]) * (tokens * LAYOUT.bytes_per_token)))
+
+
+def size(tokens: int = 1) -> int:
+    return HEADER_SIZE + tokens * LAYOUT.bytes_per_token
+
+
+def object_file(base: Path, i: int) -> Path:
+    return base / f"{key(i).hex()}.kv"
+
+
+def files_on_disk(base: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in base.iterdir() if p.is_file() and p.name != LOCK_NAME}
+
+
+def check_capacity(t: DiskTier, capacity: int) -> None:
+    assert t.usage().used_bytes <= capacity
+    assert sum(files_on_disk(t.path).values()) <= capacity
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)
+    yield t
+    t.close()
+
+
+def test_put_get_roundtrip(tier):
+    assert tier.put([(key(1), obj(1, 3)), (key(2), obj(2))]) == [True, True]
+    assert [None if b is None else bytes(b) for b in tier.get([key(1), key(3), key(2)])] == [obj(1, 3), None, obj(2)]
+    assert tier.contains([key(1), key(3)]) == [True, False]
+    assert tier.usage().objects == 2 and tier.usage().used_bytes == size(3) + size(1)
+    s = tier.stats
+    assert (s.puts, s.put_bytes, s.hits, s.misses, s.get_bytes) == (2, size(3) + size(1), 2, 1, size(3) + size(1))
+
+
+def test_put_of_a_stored_object_keeps_the_file(tier):
+    tier.put([(key(1), obj(1))])
+    inode = object_file(tier.path, 1).stat().st_ino
+    assert tier.put([(key(1), obj(1))]) == [True]
+    assert object_file(tier.path, 1).stat().st_ino == inode and tier.stats.puts == 1
+
+
+def test_put_refuses_what_is_not_an_object_for_its_key(tier):
+    assert tier.put([(key(1), obj(2)), (key(3), b"not an object at all")]) == [False, False]
+    assert tier.stats.rejected_puts == 2 and files_on_disk(tier.path) == {}
+
+
+def test_trailing_bytes_after_the_object_are_not_stored(tier):
+    assert tier.put([(key(1), obj(1) + b"junk")]) == [True]
+    assert bytes(tier.get([key(1)])[0]) == obj(1) and object_file(tier.path, 1).stat().st_size == size()
+
+
+def test_delete_and_clear_remove_files(tier):
+    tier.put([(key(i), obj(i)) for i in range(4)])
+    assert tier.delete([key(0), key(0), key(9)]) == 1
+    assert not object_file(tier.path, 0).exists() and tier.get([key(0)]) == [None]
+    assert tier.clear() == 3
+    assert files_on_disk(tier.path) == {} and tier.usage().used_bytes == 0 and tier.usage().objects == 0
+
+
+def test_restart_keeps_disk_hits(tmp_path):
+    first = DiskTier(tmp_path, max_capacity_bytes=1 << 20)
+    first.put([(key(i), obj(i, i)) for i in range(1, 4)])
+    first.close()
+    second = DiskTier(tmp_path, max_capacity_bytes=1 << 20)
+    assert [bytes(b) for b in second.get([key(1), key(2), key(3)])] == [obj(1, 1), obj(2, 2), obj(3, 3)]
+    assert second.usage().used_bytes == size(1) + size(2) + size(3) and second.usage().objects == 3
+
+
+def test_second_tier_on_the_same_directory_is_refused_until_the_first_closes(tier):
+    with pytest.raises(ConfigError, match="in use"):
+        DiskTier(tier.path, max_capacity_bytes=1 << 20)
+    tier.close()
+    DiskTier(tier.path, max_capacity_bytes=1 << 20).close()
+
+
+def test_leftover_temp_files_are_removed_at_start(tmp_path):
+    leftover = tmp_path / f".{key(1).hex()}.tmp.12345.0123abcd"
+    leftover.write_bytes(obj(1)[:50])
+    t = DiskTier(tmp_path, max_capacity_bytes=1 << 20)
+    assert not leftover.exists() and t.usage().objects == 0 and t.stats.extra["temp_files_removed"] == 1
+
+
+def flip_a_payload_byte(base: Path) -> None:
+    data = bytearray(object_file(base, 1).read_bytes())
+    data[HEADER_SIZE + 5] ^= 0x01
+    object_file(base, 1).write_bytes(data)
+
+
+def truncate(base: Path) -> None:
+    os.truncate(object_file(base, 1), size() - 1)
+
+
+def empty(base: Path) -> None:
+    os.truncate(object_file(base, 1), 0)
+
+
+def another_keys_content(base: Path) -> None:
+    os.replace(object_file(base, 2), object_file(base, 1))
+
+
+def garbage(base: Path) -> None:
+    object_file(base, 1).write_bytes(os.urandom(size()))
+
+
+@pytest.mark.parametrize("damage", [flip_a_payload_byte, truncate, empty, another_keys_content, garbage])
+def test_corrupt_file_is_a_miss(tier, damage):
+    tier.put([(key(1), obj(1)), (key(2), obj(2))])
+    damage(tier.path)
+    assert tier.get([key(1)]) == [None]
+    assert not object_file(tier.path, 1).exists()
+    assert tier.stats.corrupt == 1 and tier.stats.misses == 1
+    assert tier.contains([key(1)]) == [False]
+    assert tier.usage().used_bytes >= sum(files_on_disk(tier.path).values())
+
+
+def test_corrupt_file_found_at_start_is_a_miss_after_restart(tmp_path):
+    first = DiskTier(tmp_path, max_capacity_bytes=1 << 20)
+    first.put([(key(1), obj(1))])
+    first.close()
+    flip_a_payload_byte(tmp_path)
+    second = DiskTier(tmp_path, max_capacity_bytes=1 << 20)
+    assert second.get([key(1)]) == [None] and second.stats.corrupt == 1 and not object_file(tmp_path, 1).exists()
+
+
+def test_file_deleted_behind_our_back_is_a_miss_and_leaves_the_index(tier):
+    tier.put([(key(1), obj(1))])
+    object_file(tier.path, 1).unlink()
+    assert tier.get([key(1)]) == [None]
+    assert tier.contains([key(1)]) == [False] and tier.usage().used_bytes == 0 and tier.stats.corrupt == 0
+
+
+def test_foreign_named_files_are_left_alone(tmp_path, caplog):
+    foreign = [
+        tmp_path / "notes.txt",
+        tmp_path / f"{key(0xABCDEF).hex().upper()}.kv",
+        tmp_path / f"{key(1).hex()}.kv.bak",
+        tmp_path / ".hidden",
+        tmp_path / "subdir" / f"{key(2).hex()}.kv",
+    ]
+    for path in foreign:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"x" * 100)
+    (tmp_path / f"{key(3).hex()}.kv").symlink_to(tmp_path / "notes.txt")  # valid name, but a link out
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        t = DiskTier(tmp_path, max_capacity_bytes=size())
+    assert t.stats.extra["foreign_files"] == 6 and "not kvtier's" in caplog.text
+    assert t.usage().used_bytes == 0 and t.get([key(3)]) == [None]
+    t.put([(key(4), obj(4))])
+    t.put([(key(5), obj(5))])  # evicts 4, and nothing else
+    t.clear()
+    assert all(path.exists() for path in foreign) and (tmp_path / f"{key(3).hex()}.kv").is_symlink()
+
+
+def test_object_bigger_than_the_capacity_is_refused(tmp_path):
+    t = DiskTier(tmp_path, max_capacity_bytes=size(2))
+    t.put([(key(1), obj(1))])
+    assert t.put([(key(2), obj(2, 3))]) == [False]
+    assert t.stats.rejected_puts == 1 and t.contains([key(1)]) == [True]
+
+
+def test_lru_evicts_the_least_recently_used(tmp_path):
+    t = DiskTier(tmp_path, max_capacity_bytes=3 * size())
+    t.put([(key(i), obj(i)) for i in (1, 2, 3)])
+    t.get([key(1)])  # 2 is now the least recently used
+    t.put([(key(4), obj(4))])
+    assert t.contains([key(1), key(2), key(3), key(4)]) == [True, False, True, True]
+    assert (t.stats.evictions, t.stats.evicted_bytes) == (1, size())
+    assert not object_file(tmp_path, 2).exists()
+
+
+def test_fifo_policy_ignores_reads(tmp_path):
+    t = DiskTier(tmp_path, max_capacity_bytes=3 * size(), eviction_policy="FIFO")
+    t.put([(key(i), obj(i)) for i in (1, 2, 3)])
+    t.get([key(1)])
+    t.put([(key(4), obj(4))])
+    assert t.contains([key(1), key(2)]) == [False, True]
+
+
+def test_restart_with_a_smaller_capacity_evicts_the_oldest_down_to_it(tmp_path):
+    first = DiskTier(tmp_path, max_capacity_bytes=1 << 20)
+    first.put([(key(i), obj(i)) for i in range(1, 6)])
+    first.close()
+    for i in range(1, 6):  # stored in order 1..5, a second apart (timestamps are coarser than puts)
+        os.utime(object_file(tmp_path, i), ns=(i * 10**9, i * 10**9))
+    second = DiskTier(tmp_path, max_capacity_bytes=2 * size())
+    assert second.contains([key(i) for i in range(1, 6)]) == [False, False, False, True, True]
+    assert second.usage().used_bytes == 2 * size() == sum(files_on_disk(tmp_path).values())
+    assert second.stats.evictions == 3
+
+
+def test_default_capacity_is_bounded_by_the_free_space(tmp_path):
+    t = DiskTier(tmp_path)
+    assert 0 < t.usage().capacity_bytes <= os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_capacity_bytes": -1},
+        {"max_capacity_bytes": 0},
+        {"max_capacity_bytes": 1.5},
+        {"max_capacity_bytes": True},
+        {"eviction_policy": "random"},
+    ],
+)
+def test_bad_arguments_are_refused(tmp_path, kwargs):
+    with pytest.raises(ConfigError):
+        DiskTier(tmp_path, **kwargs)
+
+
+def test_a_path_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ConfigError, match="not a directory"):
+        DiskTier(tmp_path / "file", max_capacity_bytes=1 << 20)
+    with pytest.raises(ConfigError):
+        DiskTier(tmp_path / "file" / "below", max_capacity_bytes=1 << 20)
+
+
+def test_missing_directory_is_created(tmp_path):
+    DiskTier(tmp_path / "a" / "b", max_capacity_bytes=1 << 20).put([(key(1), obj(1))])
+    assert object_file(tmp_path / "a" / "b", 1).exists()
+
+
+def test_odirect_works_or_falls_back_with_one_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        t = DiskTier(tmp_path, max_capacity_bytes=1 << 20, use_odirect=True)
+        assert t.put([(key(i), obj(i, i)) for i in range(1, 4)]) == [True] * 3
+        assert [bytes(b) for b in t.get([key(i) for i in range(1, 4)])] == [obj(i, i) for i in range(1, 4)]
+    warnings = [r for r in caplog.records if "O_DIRECT" in r.getMessage()]
+    padded = t.odirect
+    assert len(warnings) == (0 if padded else 1)
+    expected = [align_up(size(i)) if padded else size(i) for i in range(1, 4)]
+    assert sorted(files_on_disk(tmp_path).values()) == expected and t.usage().used_bytes == sum(expected)
+    assert not [name for name in os.listdir(tmp_path) if ".tmp." in name]  # the probe file is gone
+
+
+def test_odirect_refused_by_the_filesystem_falls_back_with_exactly_one_warning(tmp_path, caplog, monkeypatch):
+    real_open = os.open
+
+    def no_odirect(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_odirect)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        t = DiskTier(tmp_path, max_capacity_bytes=1 << 20, use_odirect=True)
+        t.put([(key(i), obj(i)) for i in range(3)])
+        assert [bytes(b) for b in t.get([key(i) for i in range(3)])] == [obj(i) for i in range(3)]
+    assert len(caplog.records) == 1 and "O_DIRECT" in caplog.records[0].getMessage()
+    assert t.usage().used_bytes == 3 * size()
+
+
+def test_odirect_reads_files_written_without_it(tmp_path):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT here")
+    buffered = DiskTier(tmp_path, max_capacity_bytes=1 << 20)
+    buffered.put([(key(1), obj(1, 5))])
+    buffered.close()
+    direct = DiskTier(tmp_path, max_capacity_bytes=1 << 20, use_odirect=True)
+    assert bytes(direct.get([key(1)])[0]) == obj(1, 5)
+
+
+@pytest.mark.parametrize(
+    "failing,error",
+    [("open", errno.EROFS), ("replace", errno.EACCES), ("write", errno.ENOSPC), ("fsync", errno.EIO)],
+)
+def test_io_errors_fail_the_put_and_reads_still_work(tier, monkeypatch, caplog, failing, error):
+    tier.put([(key(1), obj(1))])
+    real = getattr(os, failing)
+
+    def fail(*args, **kwargs):
+        if failing == "open" and not args[1] & os.O_CREAT:
+            return real(*args, **kwargs)  # reads still open files
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(os, failing, fail)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert tier.put([(key(2), obj(2)), (key(3), obj(3))]) == [False, False]
+    assert tier.stats.errors == 2 and len(caplog.records) == 1  # warned once, counted twice
+    assert bytes(tier.get([key(1)])[0]) == obj(1)
+    assert set(files_on_disk(tier.path)) == {object_file(tier.path, 1).name}  # no temp file left
+    assert tier.usage().used_bytes == size() and tier.contains([key(2)]) == [False]
+
+
+def test_undeletable_file_keeps_counting_against_the_capacity(tmp_path, monkeypatch):
+    t = DiskTier(tmp_path, max_capacity_bytes=size())
+    t.put([(key(1), obj(1))])
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "unlink", read_only)
+    assert t.put([(key(2), obj(2))]) == [False]
+    assert t.usage().used_bytes == size() and t.contains([key(1)]) == [True] and t.stats.errors == 1
+
+
+@pytest.mark.parametrize("use_odirect", [False, True])
+def test_capacity_is_never_exceeded(use_odirect):
+    capacity = 6 * ALIGNMENT
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        st.lists(
+            st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 9), st.integers(1, 40)),
+            max_size=30,
+        )
+    )
+    def run(ops):
+        with tempfile.TemporaryDirectory() as base:
+            t = DiskTier(base, max_capacity_bytes=capacity, use_odirect=use_odirect)
+            try:
+                for op, i, tokens in ops:
+                    if op == "put":
+                        stored = t.put([(key(i), obj(i, tokens))])[0]
+                        assert stored == t.contains([key(i)])[0]
+                    elif op == "get":
+                        got = t.get([key(i)])[0]
+                        assert got is None or bytes(got)[HEADER_SIZE] == i
+                    else:
+                        t.delete([key(i)])
+                    check_capacity(t, capacity)
+                    assert t.usage().used_bytes == sum(files_on_disk(t.path).values())
+            finally:
+                t.close()
+
+    run()
+
+
+def test_concurrent_puts_and_gets_never_exceed_the_capacity(tmp_path):
+    capacity = 10 * size(4)
+    t = DiskTier(tmp_path, max_capacity_bytes=capacity)
+    failures = []
+
+    def worker(offset):
+        try:
+            for n in range(60):
+                i = offset * 1000 + n % 20
+                t.put([(key(i), obj(i, 4))])
+                got = t.get([key(i)])[0]
+                assert got is None or bytes(got) == obj(i, 4)
+                assert t.usage().used_bytes <= capacity  # files are checked at the end: a listing is no snapshot
+        except AssertionError as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures and t.stats.corrupt == 0 and t.stats.errors == 0
+    check_capacity(t, capacity)
+    assert t.usage().used_bytes == sum(files_on_disk(tmp_path).values())
