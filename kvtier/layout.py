@@ -12,7 +12,8 @@ import blake3
 
 from kvtier.errors import ConfigError
 
-#: Element sizes in bytes of the dtypes engines store KV in.
+#: Element sizes in bytes of the dtypes engines store KV in. The order gives each dtype its id in
+#: object headers: append only.
 DTYPE_SIZES = {
     "float32": 4,
     "float16": 2,
@@ -23,6 +24,7 @@ DTYPE_SIZES = {
     "uint8": 1,
 }
 
+DTYPE_IDS = {name: i for i, name in enumerate(DTYPE_SIZES)}
 FINGERPRINT_SIZE = 16
 
 

@@ -3,7 +3,9 @@ self-describing header. Any tier can hold them as opaque bytes; any reader can c
 
 Header (little-endian, 80 bytes):
     magic "KVTR" | format version u16 | codec id u16 | layout fingerprint 16B | key 32B |
-    token count u32 | flags u32 (0) | payload length u64 | checksum u64
+    token count u32 | dtype id u8 | 3 bytes 0 | payload length u64 | checksum u64
+
+The dtype lets a codec read the payload's numbers without knowing the rest of the layout.
 
 The checksum is xxh3-64 over the header's first 72 bytes and the payload, so a flipped bit in
 the token count is caught as surely as one in the KV. Readers refuse, with a specific exception,
@@ -28,12 +30,13 @@ from kvtier.errors import (
     UnsupportedVersion,
 )
 from kvtier.keys import KEY_SIZE
-from kvtier.layout import FINGERPRINT_SIZE, KVLayout
+from kvtier.layout import DTYPE_IDS, FINGERPRINT_SIZE, KVLayout
 
 MAGIC = b"KVTR"
 FORMAT_VERSION = 1
-_HEADER = struct.Struct(f"<4sHH{FINGERPRINT_SIZE}s{KEY_SIZE}sIIQQ")
+_HEADER = struct.Struct(f"<4sHH{FINGERPRINT_SIZE}s{KEY_SIZE}sIB3xQQ")
 HEADER_SIZE = _HEADER.size
+DTYPE_NAMES = list(DTYPE_IDS)
 _CHECKED_PREFIX = HEADER_SIZE - 8  # everything but the checksum itself
 
 
@@ -43,6 +46,7 @@ class ObjectHeader:
     layout_fingerprint: bytes
     key: bytes
     num_tokens: int
+    dtype: str
     payload_length: int
     checksum: int
 
@@ -56,12 +60,12 @@ def object_size(payload_length: int) -> int:
     return HEADER_SIZE + payload_length
 
 
-def _pack_prefix(codec_id: int, fingerprint: bytes, key: bytes, num_tokens: int, length: int) -> bytes:
+def _pack_prefix(codec_id: int, layout: KVLayout, key: bytes, num_tokens: int, length: int) -> bytes:
     if len(key) != KEY_SIZE:
         raise ValueError(f"keys are {KEY_SIZE} bytes, got {len(key)}")
-    return _HEADER.pack(MAGIC, FORMAT_VERSION, codec_id, fingerprint, key, num_tokens, 0, length, 0)[
-        :_CHECKED_PREFIX
-    ]
+    dtype_id = DTYPE_IDS[layout.dtype]
+    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, codec_id, layout.fingerprint, key, num_tokens, dtype_id, length, 0)
+    return packed[:_CHECKED_PREFIX]
 
 
 def _checksum(prefix: bytes | memoryview, payload: memoryview) -> int:
@@ -71,17 +75,17 @@ def _checksum(prefix: bytes | memoryview, payload: memoryview) -> int:
     return h.intdigest()
 
 
-def seal(buf: memoryview, key: bytes, layout_fingerprint: bytes, num_tokens: int, codec_id: int = 0) -> ObjectHeader:
+def seal(buf: memoryview, key: bytes, layout: KVLayout, num_tokens: int, codec_id: int = 0) -> ObjectHeader:
     """Write the header into ``buf[:HEADER_SIZE]`` for the payload already in ``buf[HEADER_SIZE:]``.
 
     This is how an object is built in place (in an arena slot, say) without copying the payload.
     """
     payload = buf[HEADER_SIZE:]
-    prefix = _pack_prefix(codec_id, layout_fingerprint, key, num_tokens, len(payload))
+    prefix = _pack_prefix(codec_id, layout, key, num_tokens, len(payload))
     checksum = _checksum(prefix, payload)
     buf[:_CHECKED_PREFIX] = prefix
     buf[_CHECKED_PREFIX:HEADER_SIZE] = struct.pack("<Q", checksum)
-    return ObjectHeader(codec_id, layout_fingerprint, key, num_tokens, len(payload), checksum)
+    return ObjectHeader(codec_id, layout.fingerprint, key, num_tokens, layout.dtype, len(payload), checksum)
 
 
 def build_object(
@@ -97,7 +101,7 @@ def build_object(
     buf = bytearray(object_size(len(stored)))
     view = memoryview(buf)
     view[HEADER_SIZE:] = stored
-    seal(view, key, layout.fingerprint, num_tokens, chosen.codec_id)
+    seal(view, key, layout, num_tokens, chosen.codec_id)
     return buf
 
 
@@ -106,14 +110,16 @@ def read_header(buf: bytes | memoryview) -> ObjectHeader:
     view = memoryview(buf).cast("B")
     if len(view) < HEADER_SIZE:
         raise Truncated(f"object is {len(view)} bytes, shorter than its {HEADER_SIZE}-byte header")
-    magic, version, codec_id, fingerprint, key, num_tokens, _flags, length, checksum = _HEADER.unpack_from(view)
+    magic, version, codec_id, fingerprint, key, num_tokens, dtype_id, length, checksum = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise BadMagic(f"not a kvtier object (magic {magic!r})")
     if version != FORMAT_VERSION:
         raise UnsupportedVersion(f"object format version {version}, this build reads {FORMAT_VERSION}")
+    if dtype_id >= len(DTYPE_NAMES):
+        raise UnsupportedVersion(f"object dtype id {dtype_id} is unknown to this build")
     if len(view) < HEADER_SIZE + length:
         raise Truncated(f"object is {len(view)} bytes, its header promises {HEADER_SIZE + length}")
-    return ObjectHeader(codec_id, fingerprint, key, num_tokens, length, checksum)
+    return ObjectHeader(codec_id, fingerprint, key, num_tokens, DTYPE_NAMES[dtype_id], length, checksum)
 
 
 def check_object(buf: bytes | memoryview, key: bytes, verify_checksum: bool = True) -> tuple[ObjectHeader, memoryview]:

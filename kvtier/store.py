@@ -241,7 +241,7 @@ class TieredStore:
                 break  # later chunks would be unreachable without this one
             try:
                 fill(span, reservation.view[HEADER_SIZE:])
-                seal(reservation.view, span.key, layout.fingerprint, span.num_tokens)
+                seal(reservation.view, span.key, layout, span.num_tokens)
             except BaseException:
                 self.abort(reservation)
                 raise
