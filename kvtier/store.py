@@ -177,7 +177,7 @@ class TieredStore:
             return Lease(key, view.toreadonly(), pinned=False)
         self.l1.commit(reservation)
         self.stats.promotions += 1
-        return self.l1.lease(key) or Lease(key, bytes(view), pinned=False)
+        return self.l1.lease(key)  # None only if evicted right away: a miss, never stale bytes
 
     # -- token level -------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ class Reservation:
 
     key: bytes
     view: memoryview
+    offset: int  # where the slot starts in the arena
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Lease:
 
     key: bytes
     view: memoryview
+    offset: int = -1  # where the object starts in the arena; -1 for a private copy
     pinned: bool = True
 
 
@@ -100,7 +102,7 @@ class MemoryTier(Tier):
                 self.stats.rejected_puts += 1
                 return None
             self._slots[key] = _Slot(offset, size, needed)
-        return Reservation(key, self._arena[offset : offset + size])
+        return Reservation(key, self._arena[offset : offset + size], offset)
 
     def commit(self, reservation: Reservation) -> None:
         """Make a filled slot visible to readers."""
@@ -131,7 +133,7 @@ class MemoryTier(Tier):
             self._policy.accessed(key)
             self.stats.hits += 1
             self.stats.get_bytes += slot.size
-        return Lease(key, self._arena[slot.offset : slot.offset + slot.size].toreadonly())
+        return Lease(key, self._arena[slot.offset : slot.offset + slot.size].toreadonly(), slot.offset)
 
     def release(self, lease: Lease) -> None:
         with self._lock:

@@ -1,0 +1,83 @@
+"""Every Prometheus metric kvtier exports, defined in this one module (all named ``kvtier_*``).
+
+Counters that the store and tiers keep anyway (usage, evictions, corrupt objects, dropped
+writes) are read at scrape time by a collector, not counted twice; what only the server sees
+(lookups, tokens, bytes and latency per operation, protocol errors, clients) is counted here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvtier.store import TieredStore
+
+disable_created_metrics()  # the *_created series only double the output
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_BYTES_BUCKETS = tuple(float(1 << n) for n in range(12, 36, 2))
+
+
+class ServerMetrics:
+    def __init__(self, store: TieredStore, connected_clients: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.lookups = Counter("kvtier_lookups", "Lookup requests", registry=r)
+        self.requested_tokens = Counter("kvtier_lookup_requested_tokens", "Tokens asked for in lookups", registry=r)
+        self.hit_tokens = Counter("kvtier_lookup_hit_tokens", "Tokens found in lookups, by tier", ["tier"], registry=r)
+        self.stored_tokens = Counter("kvtier_stored_tokens", "Tokens stored", registry=r)
+        self.store_bytes = Histogram("kvtier_store_bytes", "Bytes per store request", buckets=_BYTES_BUCKETS, registry=r)
+        self.retrieve_bytes = Histogram(
+            "kvtier_retrieve_bytes", "Bytes per retrieve request", buckets=_BYTES_BUCKETS, registry=r
+        )
+        self.latency = Histogram(
+            "kvtier_request_seconds", "Server time per request", ["op"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.client_errors = Counter("kvtier_client_errors", "Requests answered with an error", ["code"], registry=r)
+        self.expired = Counter("kvtier_expired", "Leases and reservations that timed out", ["kind"], registry=r)
+        Gauge("kvtier_connected_clients", "Client connections", registry=r).set_function(connected_clients)
+        r.register(_StoreCollector(store))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector:
+    """Exports the store's and tiers' own counters at scrape time."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+
+    def collect(self):
+        usage = GaugeMetricFamily("kvtier_tier_usage_bytes", "Bytes used per tier", labels=["tier"])
+        capacity = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity per tier", labels=["tier"])
+        objects = GaugeMetricFamily("kvtier_tier_objects", "Objects per tier", labels=["tier"])
+        evictions = CounterMetricFamily("kvtier_evictions", "Objects evicted per tier", labels=["tier"])
+        corrupt = CounterMetricFamily(
+            "kvtier_checksum_failures", "Corrupt or foreign objects found (and removed) per tier", labels=["tier"]
+        )
+        errors = CounterMetricFamily("kvtier_tier_errors", "I/O or connection errors per tier", labels=["tier"])
+        rejected = CounterMetricFamily("kvtier_tier_rejected_puts", "Puts refused for want of room", labels=["tier"])
+        for tier in self.store.tiers:
+            try:
+                u = tier.usage()
+            except Exception:  # a remote tier that is down still reports its counters
+                u = None
+            if u is not None:
+                usage.add_metric([tier.name], u.used_bytes)
+                capacity.add_metric([tier.name], u.capacity_bytes)
+                objects.add_metric([tier.name], u.objects)
+            evictions.add_metric([tier.name], tier.stats.evictions)
+            corrupt.add_metric([tier.name], tier.stats.corrupt)
+            errors.add_metric([tier.name], tier.stats.errors)
+            rejected.add_metric([tier.name], tier.stats.rejected_puts)
+        stats = self.store.stats
+        dropped = CounterMetricFamily("kvtier_dropped_writes", "Lower-tier writes dropped: queue full")
+        dropped.add_metric([], stats.dropped_writes)
+        failed = CounterMetricFamily("kvtier_failed_writes", "Lower-tier writes that failed")
+        failed.add_metric([], stats.failed_writes)
+        promotions = CounterMetricFamily("kvtier_promotions", "Objects promoted from a lower tier into L1")
+        promotions.add_metric([], stats.promotions)
+        return [usage, capacity, objects, evictions, corrupt, errors, rejected, dropped, failed, promotions]

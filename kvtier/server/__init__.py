@@ -1,0 +1,1 @@
+"""``kvtier server``: one cache per host, shared by many engine processes."""

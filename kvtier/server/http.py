@@ -1,0 +1,74 @@
+"""The HTTP control plane: health, status, Prometheus metrics and admin actions.
+
+Mutating endpoints need the admin token when one is set (``Authorization: Bearer <token>``).
+No endpoint runs code or touches files; the status shows the config with secrets masked.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Callable
+
+import uvicorn
+from fastapi import FastAPI, Header, HTTPException
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvtier import __version__
+
+
+def create_app(service, metrics, ready: Callable[[], bool]) -> FastAPI:
+    app = FastAPI(title="kvtier server", version=__version__)
+
+    @app.get("/healthcheck")
+    def healthcheck():
+        if ready():
+            return {"status": "healthy"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/status")
+    def status() -> dict:
+        return service.status()
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def clear_cache(authorization: str | None = Header(default=None)) -> dict:
+        token = authorization.removeprefix("Bearer ").strip() if authorization else ""
+        if not service.authorized(token):
+            raise HTTPException(status_code=401, detail="admin token required", headers={"WWW-Authenticate": "Bearer"})
+        return {"status": "ok", "removed": service.clear()}
+
+    app.post("/clear-cache")(clear_cache)
+    app.post("/api/clear-cache")(clear_cache)
+    return app
+
+
+class HttpServer:
+    """uvicorn in a thread, on a socket bound up front so a taken port fails loudly at start."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+            self.socket.listen(128)  # connections queue from now on, before uvicorn is up
+        except OSError:
+            self.socket.close()
+            raise
+        self.port = self.socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.socket]},
+                                        name="kvtier-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5)
+        self.socket.close()

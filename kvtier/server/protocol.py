@@ -1,0 +1,194 @@
+"""The wire protocol between ``kvtier.client`` and ``kvtier server``: every message type, its
+fields and the protocol version, in one place.
+
+A message is a ZeroMQ multipart message. Frame 0 is a msgpack-encoded request or reply (tagged by
+``op``); object bytes, when they travel by socket rather than shared memory, follow as frames
+1..n. Requests carry the protocol version; a server answers a version it does not speak with
+``Error(code="version")``. Keys are 32-byte chunk keys (kvtier.keys).
+
+Writes through shared memory are two-phase: ``Reserve`` gives slots in the arena, the client
+writes whole sealed objects into them, ``Commit`` makes them visible (or ``Abort`` gives them back).
+Reads through shared memory are leases: ``Retrieve`` pins objects and says where they are,
+``Release`` unpins them. Both expire after the server's lease timeout, so a client that dies
+mid-way cannot pin memory forever.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+#: Shared-memory requests name the arena they mean by this many bytes of its nonce, so a client
+#: still mapping the arena of a server that has since restarted is refused ("stale-arena"),
+#: never handed offsets into memory that now means something else.
+ARENA_ID_SIZE = 8
+
+#: Upper bounds a server enforces on any request, whatever the client says.
+MAX_KEYS = 65536
+MAX_OBJECT_BYTES = 1 << 34
+
+Keys = Annotated[list[Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]], msgspec.Meta(max_length=MAX_KEYS)]
+Ids = Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS)]
+Sizes = Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]], msgspec.Meta(max_length=MAX_KEYS)]
+
+
+class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, frozen=True):
+    v: int = PROTOCOL_VERSION
+
+
+class Hello(_Request, tag="hello"):
+    """First message of a client: learns the server's shared-memory arena, if it can map it."""
+
+    client: str = ""
+
+
+class Ping(_Request, tag="ping"):
+    pass
+
+
+class Lookup(_Request, tag="lookup"):
+    """``tokens[i]``, if given, is the token count of chunk i: it feeds the hit-rate metrics."""
+
+    keys: Keys = []
+    tokens: Ids = []
+
+
+class Reserve(_Request, tag="reserve"):
+    """Slots for whole objects; ``sizes[i]`` is the size of the object under ``keys[i]``."""
+
+    keys: Keys = []
+    sizes: Sizes = []
+    arena: bytes = b""  # the client's arena id (ARENA_ID_SIZE bytes of the hello nonce)
+
+
+class Commit(_Request, tag="commit"):
+    slots: Ids = []  # slot ids from ReserveReply
+
+
+class Abort(_Request, tag="abort"):
+    slots: Ids = []
+
+
+class Put(_Request, tag="put"):
+    """Whole objects in frames 1..n, one per key: the path of clients on other hosts."""
+
+    keys: Keys = []
+
+
+class Retrieve(_Request, tag="retrieve"):
+    """The longest cached prefix of ``keys``; ``inline`` asks for the bytes as frames."""
+
+    keys: Keys = []
+    inline: bool = False
+    arena: bytes = b""  # required unless inline: offsets are only meaningful in that arena
+
+
+class Release(_Request, tag="release"):
+    lease: int = 0
+
+
+class Clear(_Request, tag="clear"):
+    token: str = ""
+
+
+class Status(_Request, tag="status"):
+    pass
+
+
+Request = Union[Hello, Ping, Lookup, Reserve, Commit, Abort, Put, Retrieve, Release, Clear, Status]
+
+
+class _Reply(msgspec.Struct, tag_field="op", frozen=True):
+    pass
+
+
+class HelloReply(_Reply, tag="hello"):
+    version: str
+    chunk_size: int
+    shm_path: str  # empty when the server has no shared-memory arena
+    shm_size: int
+    shm_nonce: bytes  # the arena's first bytes: a client that reads them maps the same memory
+    arena_offset: int
+
+
+class Pong(_Reply, tag="pong"):
+    pass
+
+
+class LookupReply(_Reply, tag="lookup"):
+    tiers: list[str]  # the highest tier holding each chunk of the hit prefix
+
+
+SlotState = Literal["slot", "cached", "full"]
+
+
+class ReserveReply(_Reply, tag="reserve"):
+    """Per key: a slot to fill (``slot`` id, arena ``offset``), ``cached`` already, or ``full``
+    (no room; the keys after it are not reserved either)."""
+
+    states: list[str]
+    slots: list[int]
+    offsets: list[int]
+
+
+class CommitReply(_Reply, tag="commit"):
+    committed: list[bool]
+
+
+class AbortReply(_Reply, tag="abort"):
+    pass
+
+
+class PutReply(_Reply, tag="put"):
+    stored: list[bool]
+
+
+class RetrieveReply(_Reply, tag="retrieve"):
+    """One entry per object of the hit prefix: an arena ``offset`` and ``size``, or offset -1
+    when the object comes as a frame (inline request, or not in the arena)."""
+
+    lease: int
+    offsets: list[int]
+    sizes: list[int]
+
+
+class ReleaseReply(_Reply, tag="release"):
+    pass
+
+
+class ClearReply(_Reply, tag="clear"):
+    removed: int
+
+
+class StatusReply(_Reply, tag="status"):
+    status: dict
+
+
+class Error(_Reply, tag="error"):
+    code: str  # "bad-request", "version", "stale-arena", "unauthorized", "internal"
+    message: str
+
+
+Reply = Union[
+    HelloReply, Pong, LookupReply, ReserveReply, CommitReply, AbortReply, PutReply, RetrieveReply,
+    ReleaseReply, ClearReply, StatusReply, Error,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(data: bytes | memoryview) -> Request:
+    """Raises msgspec.DecodeError/ValidationError for anything that is not a valid request."""
+    return _request_decoder.decode(data)
+
+
+def decode_reply(data: bytes | memoryview) -> Reply:
+    return _reply_decoder.decode(data)

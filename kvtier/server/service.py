@@ -1,0 +1,303 @@
+"""What the server does with each request: the handler table for the messages of protocol.py.
+
+Thread-safe: several worker threads call ``handle`` at once. Leases and reservations handed to
+clients are kept here with a deadline; ``expire`` releases the ones whose client went quiet.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import msgspec
+
+from kvtier import __version__
+from kvtier.errors import ObjectError
+from kvtier.objects import check_object, read_header
+from kvtier.server import protocol as p
+from kvtier.server.shm import ARENA_OFFSET, SharedArena
+from kvtier.store import TieredStore
+from kvtier.tiers.memory import Lease, Reservation
+
+log = logging.getLogger(__name__)
+
+#: What ``handle`` returns: frames to send, and what to do once they are sent (release pins).
+Response = tuple[list, Callable[[], None] | None]
+
+
+class BadRequest(Exception):
+    """The request is well-formed msgpack but asks for something impossible."""
+
+
+@dataclass
+class _Held:
+    deadline: float
+    leases: list[Lease] | None = None
+    reservation: Reservation | None = None
+
+
+class CacheService:
+    def __init__(
+        self,
+        store: TieredStore,
+        arena: SharedArena,
+        metrics,
+        lease_timeout_s: float = 30.0,
+        admin_token: str = "",
+        status_extra: Callable[[], dict] = dict,
+    ) -> None:
+        self.store = store
+        self.arena = arena
+        self.metrics = metrics
+        self.lease_timeout_s = lease_timeout_s
+        self.admin_token = admin_token
+        self.status_extra = status_extra
+        self.started = time.time()
+        self._held: dict[int, _Held] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._handlers: dict[type, Callable[[p.Request, list], Response]] = {
+            p.Hello: self._hello,
+            p.Ping: self._ping,
+            p.Lookup: self._lookup,
+            p.Reserve: self._reserve,
+            p.Commit: self._commit,
+            p.Abort: self._abort,
+            p.Put: self._put,
+            p.Retrieve: self._retrieve,
+            p.Release: self._release,
+            p.Clear: self._clear,
+            p.Status: self._status,
+        }
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def handle(self, frames: list) -> Response:
+        """Never raises: every failure becomes an ``Error`` reply and the server goes on."""
+        start = time.perf_counter()
+        try:
+            request = p.decode_request(frames[0])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._error("bad-request", f"not a valid request: {exc}")
+        if request.v != p.PROTOCOL_VERSION:
+            return self._error("version", f"protocol version {request.v}; this server speaks {p.PROTOCOL_VERSION}")
+        op = type(request).__struct_config__.tag
+        try:
+            response = self._handlers[type(request)](request, frames[1:])
+        except BadRequest as exc:
+            return self._error("bad-request", str(exc))
+        except Exception:
+            log.exception("%s failed", op)
+            return self._error("internal", f"{op} failed on the server; see its log")
+        self.metrics.latency.labels(op).observe(time.perf_counter() - start)
+        return response
+
+    def _error(self, code: str, message: str) -> Response:
+        self.metrics.client_errors.labels(code).inc()
+        return [p.encode(p.Error(code=code, message=message))], None
+
+    @staticmethod
+    def _reply(message: msgspec.Struct, *frames) -> Response:
+        return [p.encode(message), *frames], None
+
+    # -- leases and reservations -------------------------------------------------------------
+
+    def _hold(self, held: _Held) -> int:
+        with self._lock:
+            ident = next(self._ids)
+            self._held[ident] = held
+        return ident
+
+    def _take(self, ident: int) -> _Held | None:
+        with self._lock:
+            return self._held.pop(ident, None)
+
+    def expire(self) -> None:
+        """Release leases and abort reservations whose deadline has passed."""
+        now = time.monotonic()
+        with self._lock:
+            late = [i for i, held in self._held.items() if held.deadline < now]
+            expired = [self._held.pop(i) for i in late]
+        for held in expired:
+            if held.leases is not None:
+                self.store.release(held.leases)
+                self.metrics.expired.labels("lease").inc()
+            else:
+                self.store.abort(held.reservation)
+                self.metrics.expired.labels("reservation").inc()
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.lease_timeout_s
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    def _hello(self, request: p.Hello, frames: list) -> Response:
+        shared = self.arena.path is not None
+        return self._reply(
+            p.HelloReply(
+                version=__version__,
+                chunk_size=self.store.chunk_size,
+                shm_path=str(self.arena.path) if shared else "",
+                shm_size=len(self.arena.memory) if shared else 0,
+                shm_nonce=self.arena.nonce if shared else b"",
+                arena_offset=ARENA_OFFSET,
+            )
+        )
+
+    def _ping(self, request: p.Ping, frames: list) -> Response:
+        return self._reply(p.Pong())
+
+    def _lookup(self, request: p.Lookup, frames: list) -> Response:
+        if request.tokens and len(request.tokens) != len(request.keys):
+            raise BadRequest("lookup: tokens and keys differ in length")
+        tiers = self.store.locate(request.keys)
+        self.metrics.lookups.inc()
+        if request.tokens:
+            self.metrics.requested_tokens.inc(sum(request.tokens))
+            for tier, tokens in zip(tiers, request.tokens):
+                self.metrics.hit_tokens.labels(tier).inc(tokens)
+        return self._reply(p.LookupReply(tiers=tiers))
+
+    def _stale(self, arena: bytes) -> bool:
+        return arena != self.arena.nonce[: p.ARENA_ID_SIZE]
+
+    def _reserve(self, request: p.Reserve, frames: list) -> Response:
+        if self.arena.path is None:
+            raise BadRequest("reserve: this server has no shared-memory arena; use put")
+        if self._stale(request.arena):
+            return self._error("stale-arena", "reserve names another arena; say hello again")
+        if len(request.sizes) != len(request.keys):
+            raise BadRequest("reserve: keys and sizes differ in length")
+        states, slots, offsets = [], [], []
+        full = False
+        for key, size in zip(request.keys, request.sizes):
+            reservation = None if full else self.store.reserve(key, size)
+            if reservation is not None:
+                states.append("slot")
+                slots.append(self._hold(_Held(self._deadline(), reservation=reservation)))
+                offsets.append(reservation.offset)
+                continue
+            full = full or not self.store.l1.contains([key])[0]
+            states.append("full" if full else "cached")
+            slots.append(0)
+            offsets.append(-1)
+        return self._reply(p.ReserveReply(states=states, slots=slots, offsets=offsets))
+
+    def _commit(self, request: p.Commit, frames: list) -> Response:
+        committed = []
+        for ident in request.slots:
+            held = self._take(ident)
+            if held is None or held.reservation is None:
+                committed.append(False)  # unknown or expired (and aborted)
+                continue
+            reservation = held.reservation
+            try:  # same-host clients are trusted with memory, not with framing: check the header
+                header, _ = check_object(reservation.view, reservation.key, verify_checksum=False)
+                if header.object_size != len(reservation.view):
+                    raise ObjectError("object size differs from the reserved size")
+            except ObjectError as exc:
+                log.warning("refusing a committed object: %s", exc)
+                self.store.abort(reservation)
+                committed.append(False)
+                continue
+            self.store.commit(reservation)
+            self.metrics.stored_tokens.inc(header.num_tokens)
+            self.metrics.store_bytes.observe(len(reservation.view))
+            committed.append(True)
+        return self._reply(p.CommitReply(committed=committed))
+
+    def _abort(self, request: p.Abort, frames: list) -> Response:
+        for ident in request.slots:
+            held = self._take(ident)
+            if held is not None and held.reservation is not None:
+                self.store.abort(held.reservation)
+        return self._reply(p.AbortReply())
+
+    def _put(self, request: p.Put, frames: list) -> Response:
+        if len(frames) != len(request.keys):
+            raise BadRequest(f"put: {len(request.keys)} keys but {len(frames)} object frames")
+        stored = []
+        for key, frame in zip(request.keys, frames):
+            data = memoryview(frame).cast("B")
+            try:  # bytes from the network: check everything
+                header, _ = check_object(data, key)
+            except ObjectError as exc:
+                raise BadRequest(f"put: object for key {key.hex()[:16]} refused: {exc}") from None
+            data = data[: header.object_size]
+            reservation = self.store.reserve(key, len(data))
+            if reservation is None:
+                stored.append(self.store.l1.contains([key])[0])
+                continue
+            reservation.view[:] = data
+            self.store.commit(reservation)
+            self.metrics.stored_tokens.inc(header.num_tokens)
+            self.metrics.store_bytes.observe(len(data))
+            stored.append(True)
+        return self._reply(p.PutReply(stored=stored))
+
+    def _retrieve(self, request: p.Retrieve, frames: list) -> Response:
+        if not request.inline and self.arena.path is not None and self._stale(request.arena):
+            return self._error("stale-arena", "retrieve names another arena; say hello again")
+        leases = self.store.acquire(request.keys)
+        self.metrics.retrieve_bytes.observe(sum(len(lease.view) for lease in leases))
+        inline = request.inline or self.arena.path is None
+        offsets = [-1 if inline or not lease.pinned else lease.offset for lease in leases]
+        sizes = [len(lease.view) for lease in leases]
+        out = [lease.view for lease, offset in zip(leases, offsets) if offset < 0]
+        if inline:
+            reply = p.RetrieveReply(lease=0, offsets=offsets, sizes=sizes)
+            return [p.encode(reply), *out], lambda: self.store.release(leases)
+        # Objects that came back unpinned travel as frames; the rest stay leased until released.
+        pinned = [lease for lease in leases if lease.pinned]
+        ident = self._hold(_Held(self._deadline(), leases=pinned)) if pinned else 0
+        return self._reply(p.RetrieveReply(lease=ident, offsets=offsets, sizes=sizes), *out)
+
+    def _release(self, request: p.Release, frames: list) -> Response:
+        held = self._take(request.lease)
+        if held is not None and held.leases is not None:
+            self.store.release(held.leases)
+        return self._reply(p.ReleaseReply())
+
+    def _clear(self, request: p.Clear, frames: list) -> Response:
+        if not self.authorized(request.token):
+            return self._error("unauthorized", "clear needs the admin token")
+        return self._reply(p.ClearReply(removed=self.clear()))
+
+    def _status(self, request: p.Status, frames: list) -> Response:
+        return self._reply(p.StatusReply(status=self.status()))
+
+    # -- shared with the HTTP control plane --------------------------------------------------
+
+    def authorized(self, token: str | None) -> bool:
+        return not self.admin_token or hmac.compare_digest((token or "").encode(), self.admin_token.encode())
+
+    def clear(self) -> int:
+        removed = self.store.clear()
+        log.info("cache cleared: %d objects removed", removed)
+        return removed
+
+    def status(self) -> dict:
+        tiers = []
+        for tier in self.store.tiers:
+            try:
+                usage = msgspec.to_builtins(tier.usage())
+            except Exception as exc:
+                usage = {"error": type(exc).__name__}
+            tiers.append({"name": tier.name, **usage, "stats": tier.stats.as_dict()})
+        with self._lock:
+            held = len(self._held)
+        return {
+            "version": __version__,
+            "uptime_s": round(time.time() - self.started, 3),
+            "chunk_size": self.store.chunk_size,
+            "shared_memory": self.arena.path is not None,
+            "tiers": tiers,
+            "store": msgspec.to_builtins(self.store.stats),
+            "leases_and_reservations": held,
+            **self.status_extra(),
+        }

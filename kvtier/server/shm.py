@@ -1,0 +1,92 @@
+"""The L1 arena in shared memory, so engine processes on the host read and write KV in place.
+
+The arena is a file under /dev/shm (mode 0600: only the server's user can map it). Page 0 holds a
+random nonce that the server also sends in its hello reply: a client that maps the file and finds
+the nonce knows it shares the server's memory; any other client (another host, another user, a
+container without the mount) falls back to sending bytes as message frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+from kvtier.tiers.arena import prefault
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+NONCE_SIZE = 32
+ARENA_OFFSET = mmap.PAGESIZE  # page 0 holds the nonce; the arena starts at page 1
+
+
+class SharedArena:
+    def __init__(self, path: Path | None, memory: mmap.mmap, nonce: bytes) -> None:
+        self.path = path
+        self.memory = memory
+        self.nonce = nonce
+
+    @property
+    def arena(self) -> memoryview:
+        """The bytes the L1 tier manages (everything after the nonce page)."""
+        return memoryview(self.memory)[ARENA_OFFSET:]
+
+    @classmethod
+    def create(cls, capacity: int) -> "SharedArena":
+        """A shared arena of ``capacity`` bytes, touched up front. Where /dev/shm is missing or
+        too small for it (touching a page past its limit would kill the server with SIGBUS),
+        the arena is private memory and every client uses frames."""
+        size = ARENA_OFFSET + capacity
+        nonce = secrets.token_bytes(NONCE_SIZE)
+        if SHM_DIR.is_dir():
+            stats = os.statvfs(SHM_DIR)
+            if stats.f_bavail * stats.f_frsize >= size:
+                path = SHM_DIR / f"kvtier-{os.getpid()}-{secrets.token_hex(6)}"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                    memory = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+                prefault(memory)
+                memory[:NONCE_SIZE] = nonce
+                return cls(path, memory, nonce)
+            log.warning("%s has %d bytes free, the L1 arena needs %d: clients will use frames",
+                        SHM_DIR, stats.f_bavail * stats.f_frsize, size)
+        memory = mmap.mmap(-1, size)
+        prefault(memory)
+        memory[:NONCE_SIZE] = nonce
+        return cls(None, memory, nonce)
+
+    @classmethod
+    def attach(cls, path: str, size: int, nonce: bytes) -> "SharedArena | None":
+        """Map a server's arena, or None if this process cannot (the caller then uses frames)."""
+        if not path:
+            return None
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                return None
+            memory = mmap.mmap(fd, size)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+        if memory[:NONCE_SIZE] != nonce:
+            memory.close()
+            return None
+        return cls(Path(path), memory, nonce)
+
+    def close(self, unlink: bool = False) -> None:
+        try:
+            self.memory.close()
+        except BufferError:  # views still exported; the mapping goes with the process
+            pass
+        if unlink and self.path is not None:
+            self.path.unlink(missing_ok=True)

@@ -1,0 +1,159 @@
+"""The server with real processes: separate interpreters as engines, restarts, kills."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvtier.client import KvtierClient
+from kvtier_processes import ServerProcess
+from workload import NS, fill_for, retrieved_is_exact, tokens
+
+WORKLOAD = str(Path(__file__).with_name("workload.py"))
+
+
+def engine(action: str, server: ServerProcess, first: int, count: int, *flags: str) -> dict:
+    """Run one store or retrieve in a separate Python interpreter."""
+    out = subprocess.run([sys.executable, WORKLOAD, action, server.url, str(first), str(count), *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.fixture
+def server(tmp_path):
+    proc = ServerProcess(tmp_path, "--l2-adapter", json.dumps({"type": "fs", "base_path": str(tmp_path / "l2"),
+                                                             "max_capacity_gb": 0.1})).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("path", ["shared-memory", "frames"])
+def test_process_b_retrieves_what_process_a_stored(server, path):
+    flags = ("--frames",) if path == "frames" else ()
+    stored = engine("store", server, 1000, 100, *flags)
+    assert stored == {"stored": 7, "shared_memory": path == "shared-memory"}
+    got = engine("retrieve", server, 1000, 100, *flags)
+    assert got == {"tokens": 100, "exact": True, "shared_memory": path == "shared-memory"}
+    other = engine("retrieve", server, 1000, 100, "--frames" if not flags else "")  # the other path reads it too
+    assert other["tokens"] == 100 and other["exact"]
+
+
+def test_restart_keeps_disk_hits(server):
+    assert engine("store", server, 5000, 64)["stored"] == 4
+    assert server.stop() == 0  # SIGTERM: pending disk writes are flushed
+    server.start()
+    client = KvtierClient(server.url, timeout_s=5)
+    assert client.lookup(NS, tokens(5000, 64)).tiers == ["L2"] * 4
+    client.close()
+    assert engine("retrieve", server, 5000, 64) == {"tokens": 64, "exact": True, "shared_memory": True}
+
+
+def test_killed_server_gives_misses_in_time_then_recovers(server):
+    client = KvtierClient(server.url, timeout_s=0.5)
+    toks = tokens(9000, 48)
+    assert client.store(NS, toks, fill_for(toks)) == 3
+    server.kill()
+    for _ in range(3):
+        start = time.monotonic()
+        assert client.lookup(NS, toks).hit_tokens == 0
+        with client.retrieve(NS, toks) as r:
+            assert r.num_tokens == 0
+        assert client.store(NS, toks, fill_for(toks)) == 0
+        assert time.monotonic() - start < 3 * 0.5 + 0.3  # each call within its timeout
+    assert client.stats.timeouts >= 1 and client.stats.dropped_stores >= 1
+    server.start()  # a new server: new arena, empty L1, disk kept nothing (killed before flush?)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not client.ping():
+        time.sleep(0.2)
+    assert client.store(NS, toks, fill_for(toks)) >= 0
+    with client.retrieve(NS, toks) as r:
+        assert r.num_tokens == 48 and retrieved_is_exact(r, toks)
+    client.close()
+
+
+def test_client_of_a_restarted_server_never_reads_the_old_arena(server):
+    client = KvtierClient(server.url, timeout_s=2)
+    toks = tokens(300, 32)
+    client.store(NS, toks, fill_for(toks))
+    server.stop()
+    server.start()  # quick restart: the client's socket reconnects by itself, its mapping is stale
+    other = tokens(700, 32)
+    assert engine("store", server, 700, 32)["stored"] == 2
+    with client.retrieve(NS, other) as r:  # refused as stale-arena, then a fresh hello
+        assert r.num_tokens in (0, 32) and retrieved_is_exact(r, other)
+    with client.retrieve(NS, other) as r:
+        assert r.num_tokens == 32 and retrieved_is_exact(r, other)
+    client.close()
+
+
+def test_http_endpoints(server):
+    engine("store", server, 100, 40)
+    assert server.get("/healthcheck") == {"status": "healthy"}
+    status = server.get("/status")
+    assert status["tiers"][0]["name"] == "L1" and status["tiers"][0]["objects"] == 3
+    assert status["config"]["store"]["chunk_size"] == 16
+    metrics = server.get("/metrics")
+    for name in ("kvtier_lookups_total", "kvtier_stored_tokens_total 40.0", 'kvtier_tier_usage_bytes{tier="L1"}',
+                 'kvtier_tier_capacity_bytes{tier="L2"}', "kvtier_request_seconds_bucket", "kvtier_connected_clients"):
+        assert name in metrics
+    request = urllib.request.Request(server.http + "/clear-cache", method="POST")
+    assert json.load(urllib.request.urlopen(request))["removed"] >= 3
+    assert server.get("/status")["tiers"][0]["objects"] == 0
+
+
+def test_admin_token_protects_clear(tmp_path):
+    proc = ServerProcess(tmp_path, "--admin-token", "s3cret-token").start()
+    try:
+        for path in ("/clear-cache", "/api/clear-cache"):
+            with pytest.raises(urllib.error.HTTPError) as denied:
+                urllib.request.urlopen(urllib.request.Request(proc.http + path, method="POST"))
+            assert denied.value.code == 401
+            request = urllib.request.Request(proc.http + path, method="POST",
+                                             headers={"Authorization": "Bearer s3cret-token"})
+            assert urllib.request.urlopen(request).status == 200
+        assert "s3cret-token" not in json.dumps(proc.get("/status"))
+        assert "s3cret-token" not in proc.get("/metrics")
+        assert "s3cret-token" not in proc.log.read_text()
+        client = KvtierClient(proc.url)
+        with pytest.raises(Exception, match="unauthorized"):
+            client.clear()
+        client.close()
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--l1-size-gb", "0"], "size_gb"),
+        (["--l1-size-gb", "1", "--eviction-ratio", "2"], "eviction_ratio"),
+        (["--l1-size-gb", "1", "--l2-adapter", "{nope"], "not valid JSON"),
+        (["--l1-size-gb", "1", "--l2-adapter", '{"type":"fs"}'], "base_path"),
+        (["--l1-size-gb", "1", "--l2-adapter", '{"type":"tape","base_path":"x"}'], "type"),
+        (["--l1-size-gb", "1", "--l2-adapter", '{"type":"fs","base_path":"/x","extra":1}'], "extra"),
+        (["--l1-size-gb", "1", "--port", "70000"], "port"),
+        (["--l1-size-gb", "1", "--log-level", "LOUD"], "log_level"),
+        (["--l1-size-gb", "1", "--frobnicate"], "unrecognized"),
+        ([], "--l1-size-gb"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_problem(flags, message):
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "server", *flags], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 2
+    assert message in out.stderr
+
+
+def test_port_in_use_is_a_clear_error(server, tmp_path):
+    clash = ServerProcess(tmp_path)
+    clash.args[clash.args.index("--port") + 1] = str(server.port)
+    out = subprocess.run(clash.args, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and "Address already in use" in out.stderr

@@ -1,0 +1,196 @@
+"""The server's request handling in-process: malformed input, leases, two-phase writes."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.client import KvtierClient
+from kvtier.config import ServerConfig, convert
+from kvtier.server import protocol as p
+from kvtier.server.main import KvtierServer
+from kvtier_processes import free_port
+from workload import NS, fill_for, retrieved_is_exact, tokens
+
+
+def start_server(**overrides) -> KvtierServer:
+    config = {"store": {"l1": {"size_gb": 0.02}, "chunk_size": 16}, "port": free_port(), "http_port": free_port()}
+    server = KvtierServer(convert({**config, **overrides}, ServerConfig))
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = start_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def raw_socket(server):
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)  # a DEALER can send anything, including frames a REQ would not
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{server.config.port}")
+    yield sock
+    sock.close()
+    context.term()
+
+
+def ask(sock, frames: list[bytes]) -> p.Reply:
+    sock.send_multipart([b"", *frames])  # empty delimiter: what a REQ socket would add
+    assert sock.poll(5000), "server did not answer"
+    reply = sock.recv_multipart()
+    assert reply[0] == b""
+    return p.decode_reply(reply[1])
+
+
+def encoded_garbage():
+    """Valid msgpack of the wrong shape, messages with bad fields, and plain random bytes."""
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+        | st.binary(max_size=40),
+        lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+        max_leaves=12,
+    )
+    ops = st.sampled_from(["hello", "ping", "lookup", "reserve", "commit", "abort", "put", "retrieve", "release",
+                           "clear", "status", "nope", ""])
+    message = st.fixed_dictionaries(
+        {"op": ops},
+        optional={"v": st.integers(-5, 10**12) | st.text(max_size=3), "keys": values, "sizes": values,
+                  "slots": values, "lease": values, "inline": values, "arena": values, "tokens": values},
+    )
+    return st.one_of(st.binary(max_size=200), values.map(msgspec.msgpack.encode), message.map(msgspec.msgpack.encode))
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
+@given(first=encoded_garbage(), extra=st.lists(st.binary(max_size=100), max_size=3))
+def test_malformed_messages_get_an_error_reply_and_the_server_keeps_serving(raw_socket, first, extra):
+    reply = ask(raw_socket, [first, *extra])
+    assert isinstance(reply, (p.Error, p.Pong, p.HelloReply, p.StatusReply, p.LookupReply, p.ReleaseReply,
+                              p.AbortReply, p.CommitReply, p.ReserveReply, p.RetrieveReply, p.ClearReply,
+                              p.PutReply))
+    assert isinstance(ask(raw_socket, [p.encode(p.Ping())]), p.Pong)
+
+
+def test_specific_bad_requests_are_named(raw_socket):
+    key = bytes(32)
+    cases = {
+        "version": [p.encode(p.Ping(v=99))],
+        "bad-request": [p.encode(p.Put(keys=[key]))],  # a key and no object frame
+    }
+    for code, frames in cases.items():
+        reply = ask(raw_socket, frames)
+        assert isinstance(reply, p.Error) and reply.code == code
+    reply = ask(raw_socket, [p.encode(p.Put(keys=[key])), b"not an object"])
+    assert isinstance(reply, p.Error) and "refused" in reply.message
+    huge = msgspec.msgpack.encode({"op": "reserve", "keys": [key], "sizes": [1 << 40]})
+    assert ask(raw_socket, [huge]).code == "bad-request"
+    many = msgspec.msgpack.encode({"op": "lookup", "keys": [key] * (p.MAX_KEYS + 1)})
+    assert ask(raw_socket, [many]).code == "bad-request"
+    stale = ask(raw_socket, [p.encode(p.Retrieve(keys=[key], arena=b"12345678"))])
+    assert stale.code == "stale-arena"
+
+
+def test_lease_of_a_client_that_died_expires():
+    server = start_server(lease_timeout_s=0.5)
+    try:
+        client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}")
+        toks = tokens(0, 64)
+        client.store(NS, toks, fill_for(toks))
+        retrieval = client.retrieve(NS, toks)  # never closed: as if the client died mid-read
+        assert retrieval.num_tokens == 64
+        assert server.service.status()["leases_and_reservations"] == 1
+        assert server.store.l1.clear() == 4
+        assert server.store.l1.usage().used_bytes > 0  # pinned: their memory stays until released
+        time.sleep(1.0)
+        server.service.expire()
+        assert server.service.status()["leases_and_reservations"] == 0
+        assert server.store.l1.usage().used_bytes == 0  # the pins went, and the doomed objects with them
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_reservation_of_a_client_that_died_is_never_visible_and_expires():
+    server = start_server(lease_timeout_s=0.5)
+    try:
+        client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}")
+        client.ping()
+        spans = client._spans(NS, tokens(0, 32), time.monotonic() + 1)
+        reply, _ = client._call(p.Reserve(keys=[s.key for s in spans], sizes=[4096, 4096], arena=client._arena_id))
+        assert reply.states == ["slot", "slot"]
+        assert client.lookup(NS, tokens(0, 32)).hit_tokens == 0  # reserved, not committed: invisible
+        time.sleep(1.0)
+        server.service.expire()
+        assert server.store.l1.usage().used_bytes == 0
+        committed, _ = client._call(p.Commit(slots=reply.slots))  # too late
+        assert committed.committed == [False, False]
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_commit_of_a_badly_written_slot_is_refused(server):
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}")
+    toks = tokens(40_000, 16)
+    client.ping()  # a slot written with junk instead of a sealed object
+    span = client._spans(NS, toks, time.monotonic() + 1)[0]
+    size = 80 + 16 * NS.layout.bytes_per_token
+    reply, _ = client._call(p.Reserve(keys=[span.key], sizes=[size], arena=client._arena_id))
+    from kvtier.server.shm import ARENA_OFFSET
+
+    memoryview(client._arena.memory)[ARENA_OFFSET + reply.offsets[0]: ARENA_OFFSET + reply.offsets[0] + 4] = b"JUNK"
+    committed, _ = client._call(p.Commit(slots=reply.slots))
+    assert committed.committed == [False]
+    assert client.lookup(NS, toks).hit_tokens == 0
+    assert client.store(NS, toks, fill_for(toks)) == 1  # the slot was given back
+    with client.retrieve(NS, toks) as r:
+        assert r.num_tokens == 16 and retrieved_is_exact(r, toks)
+    client.close()
+
+
+def test_fill_that_raises_aborts_its_reservations(server):
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}")
+    toks = tokens(50_000, 48)
+
+    def failing(span, dest):
+        if span.start == 16:
+            raise RuntimeError("engine failed")
+        fill_for(toks)(span, dest)
+
+    used = server.store.l1.usage().used_bytes
+    with pytest.raises(RuntimeError):
+        client.store(NS, toks, failing)
+    assert server.store.l1.usage().used_bytes == used
+    assert client.lookup(NS, toks).hit_tokens == 0
+    client.close()
+
+
+def test_many_threads_share_one_server(server):
+    import threading
+
+    errors = []
+
+    def work(base):
+        client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+        for i in range(20):
+            toks = tokens(base + i * 100, 40)
+            client.store(NS, toks, fill_for(toks))
+            with client.retrieve(NS, toks) as r:
+                if not retrieved_is_exact(r, toks):
+                    errors.append((base, i))
+        client.close()
+
+    threads = [threading.Thread(target=work, args=(b,)) for b in (100_000, 200_000, 300_000, 400_000)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors
+    np.testing.assert_equal(server.service.status()["leases_and_reservations"], 0)
