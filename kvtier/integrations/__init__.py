@@ -1,0 +1,1 @@
+"""Engine integrations: connectors that let inference engines store and load KV through kvtier."""

@@ -1,0 +1,242 @@
+"""A tiny Llama model with random weights and a locally trained tokenizer, for tests and demos.
+
+No model hub is needed: the tokenizer is a byte-level BPE trained with the ``tokenizers`` library
+on generated English-like text, and the weights are a seeded random initialisation. The folder is
+a normal Hugging Face model folder, loadable offline by ``AutoTokenizer``,
+``AutoModelForCausalLM`` and vLLM::
+
+    path = build_tiny_model(Path(".cache/tiny-llama"))
+    model = AutoModelForCausalLM.from_pretrained(path)
+
+Building is idempotent: a folder that holds a complete build with the same parameters is reused;
+anything else is rebuilt next to it and swapped in atomically.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvtier.layout import KVLayout
+
+#: Where the tiny model lives by default: under the repository's (gitignored) cache folder.
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / ".cache" / "tiny-llama"
+
+#: Bumped when the build recipe changes, so stale folders are rebuilt.
+BUILD_VERSION = 1
+_MARKER = "kvtier-tiny-model.json"
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = range(4)
+
+DEFAULT_CONFIG: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 512,
+    "max_position_embeddings": 16384,
+    "vocab_size": 4096,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.05,
+    "tie_word_embeddings": False,
+}
+
+# -- generated English-like text ---------------------------------------------------------------
+
+_FUNCTION_WORDS = (
+    "the of and to a in that is was he for it with as his on be at by i this had not are but "
+    "from or have an they which one you were her all she there would their we him been has when "
+    "who will more no if out so said what up its about into than them can only other new some "
+    "could time these two may then do first any my now such like our over man me even most made "
+    "after also did many before must through back years where much your way well down should "
+    "because each just those people how too little state good very make world still own see men "
+    "work long get here between both life being under never day same another know while last"
+).split()
+_ONSETS = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w",
+           "br", "cl", "dr", "fl", "gr", "pl", "pr", "sh", "st", "th", "tr", "ch", "sp", ""]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "io", "y"]
+_CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "rk", "ck", "ss"]
+_SUFFIXES = ["", "", "", "s", "ed", "ing", "er", "ly", "tion", "ment", "ness", "al"]
+_QUESTION_STARTS = ["What", "Why", "How", "Where", "When", "Which", "Who"]
+
+
+@functools.lru_cache(maxsize=8)
+def _lexicon(seed: int, size: int = 2500) -> tuple[list[str], list[float]]:
+    """Pseudo-words (function words first) and their cumulative Zipf weights."""
+    rng = random.Random(f"kvtier-lexicon-{seed}")
+    words = dict.fromkeys(_FUNCTION_WORDS)
+    while len(words) < size:
+        word = "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.choice((1, 1, 2, 2, 3)))
+        )
+        words.setdefault(word + rng.choice(_SUFFIXES))
+    return list(words), list(itertools.accumulate(1.0 / (rank + 1) ** 1.05 for rank in range(len(words))))
+
+
+def sample_text(n_words: int, seed: int = 0, lexicon_seed: int = 0) -> str:
+    """Deterministic English-like prose of about ``n_words`` words (roughly 1.2 tokens a word
+    with the tiny model's tokenizer): sentences of Zipf-distributed words, in paragraphs."""
+    rng = random.Random(f"kvtier-text-{seed}")
+    words, cum_weights = _lexicon(lexicon_seed)
+    out: list[str] = []
+    count = 0
+    sentences_in_paragraph = 0
+    while count < n_words:
+        length = rng.randint(6, 22)
+        sentence = rng.choices(words, cum_weights=cum_weights, k=length)
+        sentence[0] = sentence[0].capitalize()
+        if length > 10 and rng.random() < 0.4:
+            sentence[rng.randint(3, length - 3)] += ","
+        out.append(" ".join(sentence) + rng.choice(".....?!"))
+        count += length
+        sentences_in_paragraph += 1
+        if sentences_in_paragraph >= rng.randint(3, 8):
+            out.append("\n\n")
+            sentences_in_paragraph = 0
+        else:
+            out.append(" ")
+    return "".join(out).strip() + "\n"
+
+
+def sample_question(seed: int, lexicon_seed: int = 0) -> str:
+    """A short deterministic question to append to a document."""
+    rng = random.Random(f"kvtier-question-{seed}")
+    words, cum_weights = _lexicon(lexicon_seed)
+    body = " ".join(rng.choices(words, cum_weights=cum_weights, k=rng.randint(5, 12)))
+    return f"\n\nQuestion: {rng.choice(_QUESTION_STARTS)} {body}?\nAnswer:"
+
+
+# -- building ------------------------------------------------------------------------------------
+
+
+def _build_tokenizer(vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [sample_text(400, seed=seed * 1000 + i) for i in range(300)]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+    )
+    for token, expected in zip(SPECIAL_TOKENS, range(4)):
+        assert tokenizer.token_to_id(token) == expected, token
+    return tokenizer
+
+
+def _is_complete(path: Path, recipe: dict) -> bool:
+    try:
+        marker = json.loads((path / _MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    needed = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    has_weights = (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
+    return marker == recipe and has_weights and all((path / name).exists() for name in needed)
+
+
+def build_tiny_model(path: Path | str | None = None, seed: int = 0, **config_overrides: Any) -> Path:
+    """Create (or reuse) a tiny random Llama model folder at ``path`` and return its path.
+
+    ``config_overrides`` replace entries of ``DEFAULT_CONFIG`` (hidden_size, num_hidden_layers,
+    vocab_size, ...). The same ``seed`` and overrides always give the same weights and tokenizer.
+    """
+    path = Path(path) if path is not None else DEFAULT_PATH
+    config_kwargs = {**DEFAULT_CONFIG, **config_overrides}
+    recipe = {"build_version": BUILD_VERSION, "seed": seed, "config": config_kwargs}
+    if _is_complete(path, recipe):
+        return path
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp.chmod(0o755)
+    try:
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=_build_tokenizer(config_kwargs["vocab_size"], seed),
+            unk_token="<unk>",
+            bos_token="<s>",
+            eos_token="</s>",
+            pad_token="<pad>",
+            model_max_length=config_kwargs["max_position_embeddings"],
+            clean_up_tokenization_spaces=False,
+        )
+        tokenizer.save_pretrained(tmp)
+
+        config = LlamaConfig(
+            **config_kwargs,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+            architectures=["LlamaForCausalLM"],
+            dtype="float32",
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config).to(torch.float32).eval()
+        model.generation_config = GenerationConfig(
+            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
+        )
+        model.save_pretrained(tmp, safe_serialization=True)
+
+        # Older readers (vLLM among them) look for ``torch_dtype``; newer transformers write ``dtype``.
+        config_file = tmp / "config.json"
+        saved = json.loads(config_file.read_text())
+        saved.setdefault("torch_dtype", "float32")
+        saved.setdefault("dtype", "float32")
+        config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+
+        (tmp / _MARKER).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
+        if path.exists():  # incomplete or stale: replace it
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.replace(path, old / path.name)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process finished the same build first
+            if not _is_complete(path, recipe):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def tiny_layout(config: Any, dtype: str | None = None, arrangement: str = "hf-layer-kv-hnd") -> KVLayout:
+    """The KVLayout of a Hugging Face (decoder) config, as transformers' caches hold it."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+        dtype = str(dtype).removeprefix("torch.")
+    return KVLayout(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=kv_heads,
+        head_size=head_dim,
+        dtype=dtype,
+        block_size=1,
+        arrangement=arrangement,
+    )
+
+
+layout_for_config = tiny_layout
