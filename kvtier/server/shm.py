@@ -73,7 +73,9 @@ class SharedArena:
         try:
             if os.fstat(fd).st_size != size:
                 return None
-            memory = mmap.mmap(fd, size)
+            # Populate the page tables now: a first touch per 4 KiB page on the data path would
+            # cost more than the copy itself.
+            memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except (OSError, ValueError):
             return None
         finally:

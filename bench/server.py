@@ -1,0 +1,145 @@
+"""The server's data path against a memcpy of the same bytes, in one run.
+
+    shm store:    fill an arena slot (a copy of the payload), seal it, commit   vs memcpy
+    shm retrieve: lease, copy the payload out of the arena, release            vs memcpy
+    frames:       the same operations with the bytes sent over the socket (other hosts)
+    lookup:       p50/p99 latency of a lookup for an 8k-token prompt (keys computed by the client)
+
+Objects: Llama-3.1-8B geometry (32 layers, 8 KV heads, head size 128, bf16, 256 tokens = 32 MiB).
+A real `kvtier server` process serves; this process is the engine. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from kvtier_processes import ServerProcess  # noqa: E402
+
+from kvtier.client import KvtierClient  # noqa: E402
+from kvtier.keys import Namespace  # noqa: E402
+from kvtier.layout import KVLayout  # noqa: E402
+from kvtier.tiers.arena import allocate_buffer  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
+NS = Namespace(model="bench-llama-8b", layout=LAYOUT)
+CHUNK = 256
+GIB = 1 << 30
+
+
+def best_of(repeats: int, run) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def measure_path(client: KvtierClient, chunks: int, repeats: int, payload: np.ndarray, dest: np.ndarray,
+                 first_token: int) -> dict[str, float]:
+    """Store and retrieve ``chunks`` chunks as one prompt; a fresh prompt for every store run."""
+    size = payload.nbytes
+    prompts = iter(np.arange(first_token + i * chunks * CHUNK, first_token + (i + 1) * chunks * CHUNK)
+                   for i in range(repeats + 1))
+
+    def fill(span, out):
+        np.copyto(np.frombuffer(out, dtype=np.uint8), payload)
+
+    last = []
+
+    def store():
+        tokens = next(prompts)
+        assert client.store(NS, tokens, fill) == chunks
+        last[:] = [tokens]
+
+    def retrieve():
+        with client.retrieve(NS, last[0]) as r:
+            assert len(r.chunks) == chunks
+            for chunk in r.chunks:
+                np.copyto(dest, np.frombuffer(chunk.payload, dtype=np.uint8))
+
+    store_s = best_of(repeats, store)
+    retrieve_s = best_of(repeats, retrieve)
+    total = chunks * size
+    return {"store": total / store_s / GIB, "retrieve": total / retrieve_s / GIB}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (under 60 s)")
+    args = parser.parse_args(argv)
+    repeats = 3 if args.quick else 7
+    chunks = 4 if args.quick else 8
+
+    size = CHUNK * LAYOUT.bytes_per_token
+    payload = np.frombuffer(allocate_buffer(size), dtype=np.uint8)
+    payload[:] = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    dest = np.frombuffer(allocate_buffer(size), dtype=np.uint8)
+    plain = np.frombuffer(allocate_buffer(size * chunks), dtype=np.uint8)
+
+    def memcpy_in():
+        for i in range(chunks):
+            np.copyto(plain[i * size : (i + 1) * size], payload)
+
+    def memcpy_out():
+        for i in range(chunks):
+            np.copyto(dest, plain[i * size : (i + 1) * size])
+
+    memcpy_in_gib = chunks * size / best_of(repeats, memcpy_in) / GIB
+    memcpy_out_gib = chunks * size / best_of(repeats, memcpy_out) / GIB
+
+    l1_gb = 2 * (repeats + 2) * chunks * size / GIB + 0.5
+    with tempfile.TemporaryDirectory() as workdir:
+        server = ServerProcess(Path(workdir), "--eviction-trigger-watermark", "1.0", l1_gb=l1_gb,
+                               chunk_size=CHUNK).start(timeout=120)
+        try:
+            shm = KvtierClient(server.url, timeout_s=30)
+            frames = KvtierClient(server.url, timeout_s=30, use_shared_memory=False)
+            assert shm.ping() and shm._arena is not None, "shared memory not available"
+            shm_result = measure_path(shm, chunks, repeats, payload, dest, 0)
+            frames_result = measure_path(frames, chunks, repeats, payload, dest, 10_000_000)
+
+            prompt = np.arange(50_000_000, 50_000_000 + 8192)
+            shm.store(NS, prompt[:4096], lambda span, out: None)  # half of it cached: a realistic walk
+            latencies = []
+            for _ in range(200 if args.quick else 1000):
+                start = time.perf_counter()
+                shm.lookup(NS, prompt)
+                latencies.append(time.perf_counter() - start)
+            shm.close()
+            frames.close()
+        finally:
+            server.stop()
+
+    p50, p99 = (float(np.percentile(latencies, q)) * 1000 for q in (50, 99))
+    rows = [
+        ("shm store", shm_result["store"], memcpy_in_gib),
+        ("shm retrieve", shm_result["retrieve"], memcpy_out_gib),
+        ("frames store", frames_result["store"], memcpy_in_gib),
+        ("frames retrieve", frames_result["retrieve"], memcpy_out_gib),
+    ]
+    print(f"{'operation (32 MiB objects)':<28} {'kvtier GiB/s':>13} {'memcpy GiB/s':>13} {'ratio':>6}")
+    for name, ours, ref in rows:
+        print(f"{name:<28} {ours:>13.2f} {ref:>13.2f} {ours / ref:>6.2f}")
+    print(f"{'lookup, 8192-token prompt':<28} p50 {p50:.3f} ms   p99 {p99:.3f} ms")
+    print(json.dumps({
+        "shm_store_vs_memcpy": round(shm_result["store"] / memcpy_in_gib, 3),
+        "shm_retrieve_vs_memcpy": round(shm_result["retrieve"] / memcpy_out_gib, 3),
+        "frames_store_gib_s": round(frames_result["store"], 3),
+        "frames_retrieve_gib_s": round(frames_result["retrieve"], 3),
+        "lookup_p50_ms": round(p50, 3),
+        "lookup_p99_ms": round(p99, 3),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
