@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import GIB, best_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvtier_processes import ServerProcess  # noqa: E402
@@ -31,16 +32,7 @@ from kvtier.tiers.arena import allocate_buffer  # noqa: E402
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
 NS = Namespace(model="bench-llama-8b", layout=LAYOUT)
 CHUNK = 256
-GIB = 1 << 30
 
-
-def best_of(repeats: int, run) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def measure_path(client: KvtierClient, chunks: int, repeats: int, payload: np.ndarray, dest: np.ndarray,

@@ -16,10 +16,11 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+from common import GIB, best_of
+from plotting import add_plot_flag, comparison_bars
 
 from kvtier.layout import KVLayout
 from kvtier.objects import build_object
@@ -32,7 +33,6 @@ GEOMETRIES = {
     "tiny-1MiB": KVLayout(num_layers=4, num_kv_heads=2, head_size=64, dtype="float32"),
 }
 TOKENS = 256
-GIB = 1 << 30
 
 
 def make_objects(layout: KVLayout, count: int) -> list[tuple[bytes, bytearray]]:
@@ -45,15 +45,6 @@ def make_objects(layout: KVLayout, count: int) -> list[tuple[bytes, bytearray]]:
         objects.append((key, build_object(key, layout, TOKENS, payload.data)))
     return objects
 
-
-def best_of(repeats: int, run) -> float:
-    """Seconds of the fastest of ``repeats`` runs (the least disturbed by neighbours)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def drop_cache(paths) -> None:
@@ -172,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer and smaller runs (under 60 s)")
     parser.add_argument("--odirect", action="store_true", help="O_DIRECT for the L2 tier and its raw reference")
     parser.add_argument("--workdir", default=".cache/bench-tiers", help="directory on the disk to measure")
+    add_plot_flag(parser)
     args = parser.parse_args(argv)
 
     repeats = 3 if args.quick else 7
@@ -200,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, op, ours, ref, ref_name, ratio in rows:
         print(f"{name:<15} {op:<12} {ours:>13.2f} {ref:>16.2f}  {ref_name:<16} {ratio:>6.2f}")
     summary["odirect"] = args.odirect
+    if args.plot:
+        groups: dict[str, list] = {}
+        for name, op, ours, ref, ref_name, _ in rows:
+            groups.setdefault(name, []).append((op, ours, ref, ref_name))
+        mode = "O_DIRECT" if args.odirect else "buffered"
+        comparison_bars(args.plot, groups, title=f"Tier throughput, kvtier vs the plain operation ({mode} L2)",
+                        unit="GiB/s")
     print(json.dumps(summary))
     return 0
 

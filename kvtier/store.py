@@ -25,6 +25,7 @@ import numpy as np
 
 from kvtier.errors import ObjectError
 from kvtier.keys import ChunkSpan, Namespace, chunk_spans
+from kvtier.layout import KVLayout
 from kvtier.objects import HEADER_SIZE, decode_payload, object_size, seal
 from kvtier.tiers.base import Tier
 from kvtier.tiers.memory import Lease, MemoryTier, Reservation
@@ -81,6 +82,24 @@ class StoreStats:
     failed_writes: int = 0  # a lower tier refused or failed
     promotions: int = 0
     refused: int = 0  # objects that did not fit the key or layout they were read for
+
+
+def payload_chunks(
+    spans: Sequence[ChunkSpan], objects: Sequence[memoryview], layout: KVLayout, verify_checksum: bool
+) -> list[RetrievedChunk]:
+    """The raw KV of each object of a retrieved prefix, checked against its span and layout;
+    stops at the first object that does not fit (the rest of the prefix is then a miss)."""
+    chunks = []
+    for span, obj in zip(spans, objects):
+        try:
+            payload = decode_payload(obj, span.key, layout, verify_checksum)
+            if len(payload) != span.num_tokens * layout.bytes_per_token:
+                raise ObjectError(f"object holds {len(payload)} bytes, its {span.num_tokens} tokens need more or less")
+        except ObjectError as exc:
+            log.error("refusing object %s: %s", span.key.hex()[:16], exc)
+            break
+        chunks.append(RetrievedChunk(span, payload))
+    return chunks
 
 
 class TieredStore:
@@ -197,18 +216,9 @@ class TieredStore:
         checked against the namespace's layout. Use as a context manager."""
         spans = [s for s in self.spans(namespace, tokens) if max_tokens is None or s.end <= max_tokens]
         leases = self.acquire([span.key for span in spans])
-        chunks = []
-        for span, lease in zip(spans, leases):
-            try:  # objects in L1 were sealed here or checked on the way in: the header check is enough
-                payload = decode_payload(lease.view, span.key, namespace.layout, verify_checksum=False)
-            except ObjectError as exc:
-                log.error("refusing object %s: %s", span.key.hex()[:16], exc)
-                self.stats.refused += 1
-                break
-            if len(payload) != span.num_tokens * namespace.layout.bytes_per_token:
-                self.stats.refused += 1
-                break
-            chunks.append(RetrievedChunk(span, payload))
+        # Objects in L1 were sealed here or checked on the way in: the header check is enough.
+        chunks = payload_chunks(spans, [lease.view for lease in leases], namespace.layout, verify_checksum=False)
+        self.stats.refused += len(chunks) < len(leases)
         return Retrieval(chunks, lambda: self.release(leases))
 
     def store(

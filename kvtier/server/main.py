@@ -135,8 +135,11 @@ class KvtierServer:
                 if sock.poll(_POLL_MS):
                     frames = [frame.buffer for frame in sock.recv_multipart(copy=False)]
                     reply, after_send = self.service.handle(frames)
-                    sock.send_multipart(reply, copy=True)
-                    if after_send is not None:
+                    if after_send is None:
+                        sock.send_multipart(reply)
+                    else:  # frames are views of leased objects: release once ZeroMQ is done with them
+                        tracker = sock.send_multipart(reply, copy=False, track=True)
+                        tracker.wait()
                         after_send()
                 self.service.expire()
         finally:

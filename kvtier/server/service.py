@@ -18,7 +18,7 @@ import msgspec
 
 from kvtier import __version__
 from kvtier.errors import ObjectError
-from kvtier.objects import check_object, read_header
+from kvtier.objects import check_object
 from kvtier.server import protocol as p
 from kvtier.server.shm import ARENA_OFFSET, SharedArena
 from kvtier.store import TieredStore
@@ -299,5 +299,6 @@ class CacheService:
             "tiers": tiers,
             "store": msgspec.to_builtins(self.store.stats),
             "leases_and_reservations": held,
+            "traffic": self.metrics.traffic(),
             **self.status_extra(),
         }
