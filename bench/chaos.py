@@ -1,0 +1,208 @@
+"""Chaos: client processes store and retrieve a known workload while the server is killed with
+SIGKILL at random moments and restarted on the same disk directory.
+
+Every object's bytes follow from its tokens (tests/workload.py), so each retrieve is checked
+exactly: it must return the expected bytes or a miss, never other bytes. No call may take longer
+than its timeout allows; after every restart each file in the disk tier must be a whole object
+that verifies; the server's RSS must stay within the L1 size plus a small overhead.
+
+Last line: one JSON object with kills, wrong_bytes, client_hangs, max_rss_over_l1_mb and more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import queue
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from kvtier_processes import ServerProcess  # noqa: E402
+from workload import NS, fill_for, retrieved_is_exact, tokens  # noqa: E402
+
+from kvtier.errors import ObjectError  # noqa: E402
+from kvtier.objects import check_object  # noqa: E402
+
+TIMEOUT_S = 1.0
+#: A store or retrieve makes at most three round trips, each bounded by what is left of the
+#: call's timeout; this is the slack for a loaded 2-core machine on top of that.
+HANG_AFTER_S = TIMEOUT_S + 1.0
+PROMPTS = 120
+
+
+def prompt(p: int):
+    return tokens(p * 1000, 16 + (p * 37) % 150)
+
+
+def client_worker(url: str, stop, seed: int, results) -> None:
+    from kvtier.client import KvtierClient
+
+    """Mixed lookups, stores and retrieves of the shared prompt pool until ``stop`` is set;
+    puts its counts and per-operation latencies on ``results``."""
+    rng = random.Random(seed)
+    client = KvtierClient(url, timeout_s=TIMEOUT_S)
+    counts = {"stores": 0, "stored_chunks": 0, "lookups": 0, "retrieves": 0, "hits": 0, "misses": 0,
+              "wrong_bytes": 0, "hangs": 0, "max_call_s": 0.0}
+    latencies: dict[str, list[float]] = {"store": [], "lookup": [], "retrieve": []}
+    while not stop.is_set():
+        toks = prompt(rng.randrange(PROMPTS))
+        start = time.monotonic()
+        choice = rng.random()
+        if choice < 0.3:
+            op = "store"
+            counts["stores"] += 1
+            counts["stored_chunks"] += client.store(NS, toks, fill_for(toks))
+        elif choice < 0.5:
+            op = "lookup"
+            counts["lookups"] += 1
+            client.lookup(NS, toks)
+        else:
+            op = "retrieve"
+            counts["retrieves"] += 1
+            with client.retrieve(NS, toks) as r:
+                if r.num_tokens:
+                    counts["hits"] += 1
+                    counts["wrong_bytes"] += not retrieved_is_exact(r, toks)
+                else:
+                    counts["misses"] += 1
+        took = time.monotonic() - start
+        latencies[op].append(took)
+        counts["max_call_s"] = max(counts["max_call_s"], took)
+        counts["hangs"] += took > HANG_AFTER_S
+    counts["errors"] = client.stats.timeouts + client.stats.server_errors + client.stats.refused_objects
+    client.close()
+    results.put((counts, latencies))
+
+
+def collect(results, expected: int) -> list:
+    """Each worker's report, drained before joining (a process with unsent queue data cannot
+    exit); a worker that does not report in time is counted as hung by the caller."""
+    reports = []
+    deadline = time.monotonic() + HANG_AFTER_S + 30
+    while len(reports) < expected:
+        try:
+            reports.append(results.get(timeout=max(0.1, deadline - time.monotonic())))
+        except queue.Empty:
+            break
+    return reports
+
+
+def scan_disk(directory: Path) -> tuple[int, int]:
+    """(objects checked, objects that fail verification) over every final-named file."""
+    checked = bad = 0
+    for path in directory.glob("*.kv"):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # evicted while we looked
+            continue
+        checked += 1
+        try:
+            check_object(data, bytes.fromhex(path.stem))
+        except ObjectError:
+            bad += 1
+    return checked, bad
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        pass
+    return 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="10 kills (about 30 s): the CI mode")
+    parser.add_argument("--kills", type=int, default=None, help="default 10 with --quick, else 50")
+    parser.add_argument("--clients", type=int, default=4)
+    args = parser.parse_args(argv)
+    kills_wanted = args.kills or (10 if args.quick else 50)
+    l1_gb = 0.02
+
+    with tempfile.TemporaryDirectory() as workdir:
+        workdir = Path(workdir)
+        disk = workdir / "l2"
+        server = ServerProcess(workdir, "--l2-adapter",
+                               json.dumps({"type": "fs", "base_path": str(disk), "max_capacity_gb": 0.01}),
+                               l1_gb=l1_gb).start()
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        stop = context.Event()
+        workers = [context.Process(target=client_worker, args=(server.url, stop, seed, results))
+                   for seed in range(args.clients)]
+        for worker in workers:
+            worker.start()
+
+        max_rss_over = 0.0
+        stop_sampling = threading.Event()
+
+        def sample_rss():
+            nonlocal max_rss_over
+            while not stop_sampling.wait(0.1):
+                if server.proc is not None and server.proc.poll() is None:
+                    max_rss_over = max(max_rss_over, rss_mb(server.proc.pid) - l1_gb * 1024)
+
+        sampler = threading.Thread(target=sample_rss, daemon=True)
+        sampler.start()
+        rng = random.Random(1234)
+        kills = scanned = corrupt_files = 0
+        start = time.monotonic()
+        while kills < kills_wanted:
+            time.sleep(rng.uniform(0.2, 1.5))  # serving, with clients at work
+            server.kill()
+            kills += 1
+            time.sleep(rng.uniform(0.0, 0.3))
+            server.start()
+            checked, bad = scan_disk(disk)
+            scanned += checked
+            corrupt_files += bad
+        time.sleep(1.0)
+        stop.set()
+        seconds = time.monotonic() - start
+
+        reports = collect(results, len(workers))
+        counts = [c for c, _ in reports]
+        hung_processes = len(workers) - len(reports)
+        for worker in workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
+        stop_sampling.set()
+        status = server.get("/status")
+        server.stop()
+
+    total = {key: sum(c[key] for c in counts) for key in counts[0] if key != "max_call_s"} if counts else {}
+    summary = {
+        "seconds": round(seconds, 1),
+        "kills": kills,
+        "clients": args.clients,
+        "clients_finished": len(counts),
+        "wrong_bytes": total.get("wrong_bytes", 0),
+        "client_hangs": total.get("hangs", 0) + hung_processes,
+        "max_call_s": round(max((c["max_call_s"] for c in counts), default=0.0), 3),
+        "stores": total.get("stores", 0),
+        "retrieves": total.get("retrieves", 0),
+        "hits": total.get("hits", 0),
+        "misses": total.get("misses", 0),
+        "disk_files_scanned": scanned,
+        "disk_files_corrupt": corrupt_files,
+        "max_rss_over_l1_mb": round(max_rss_over, 1),
+        "final_l2_objects": status["tiers"][1]["objects"],
+    }
+    for key, value in summary.items():
+        print(f"{key:<22} {value}")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
