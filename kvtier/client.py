@@ -216,7 +216,7 @@ class KvtierClient:
             for offset, size in zip(reply.offsets, reply.sizes)
         ]
         # Bytes that crossed a socket are checked in full; the shared arena is the server's memory.
-        chunks = payload_chunks(spans, objects, namespace.layout, verify_checksum=arena is None or -1 in reply.offsets)
+        chunks = payload_chunks(spans, objects, namespace.layout, [offset < 0 for offset in reply.offsets])
         self.stats.refused_objects += len(chunks) < len(objects)
         return Retrieval(chunks, lambda: self._release(reply.lease))
 
@@ -271,7 +271,7 @@ class KvtierClient:
                     continue
                 view = memory[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size]
                 fill(span, view[HEADER_SIZE:])
-                seal(view, span.key, layout, span.num_tokens)
+                seal(view, span.key, layout, span.num_tokens, checksum=False)  # the server seals it if it leaves memory
         except BaseException:
             try:
                 self._call(p.Abort(slots=slots))

@@ -3,12 +3,15 @@ self-describing header. Any tier can hold them as opaque bytes; any reader can c
 
 Header (little-endian, 80 bytes):
     magic "KVTR" | format version u16 | codec id u16 | layout fingerprint 16B | key 32B |
-    token count u32 | dtype id u8 | 3 bytes 0 | payload length u64 | checksum u64
+    token count u32 | dtype id u8 | flags u8 | 2 bytes 0 | payload length u64 | checksum u64
 
 The dtype lets a codec read the payload's numbers without knowing the rest of the layout.
 
 The checksum is xxh3-64 over the header's first 72 bytes and the payload, so a flipped bit in
-the token count is caught as surely as one in the KV. Readers refuse, with a specific exception,
+the token count is caught as surely as one in the KV. It guards storage and transit, not a
+process's own memory: an object stored into L1 on the engine's path may be sealed without it
+(flag UNSEALED), and ``ensure_sealed`` computes it when the object first leaves memory (written to
+a lower tier, sent over a socket), off that path. Readers refuse, with a specific exception,
 a wrong magic, version, layout, key, a truncated buffer or a bad checksum: a caller turns each into
 a miss, never into KV applied to the wrong model.
 """
@@ -34,10 +37,12 @@ from kvtier.layout import DTYPE_IDS, FINGERPRINT_SIZE, KVLayout
 
 MAGIC = b"KVTR"
 FORMAT_VERSION = 1
-_HEADER = struct.Struct(f"<4sHH{FINGERPRINT_SIZE}s{KEY_SIZE}sIB3xQQ")
+_HEADER = struct.Struct(f"<4sHH{FINGERPRINT_SIZE}s{KEY_SIZE}sIBB2xQQ")
 HEADER_SIZE = _HEADER.size
 DTYPE_NAMES = list(DTYPE_IDS)
 _CHECKED_PREFIX = HEADER_SIZE - 8  # everything but the checksum itself
+_FLAGS_OFFSET = 61
+UNSEALED = 0x01  # flag: the checksum is not computed yet
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class ObjectHeader:
     dtype: str
     payload_length: int
     checksum: int
+    sealed: bool = True  # False: no checksum yet (see ensure_sealed)
 
     @property
     def object_size(self) -> int:
@@ -60,11 +66,13 @@ def object_size(payload_length: int) -> int:
     return HEADER_SIZE + payload_length
 
 
-def _pack_prefix(codec_id: int, layout: KVLayout, key: bytes, num_tokens: int, length: int) -> bytes:
+def _pack_prefix(
+    codec_id: int, fingerprint: bytes, dtype: str, key: bytes, num_tokens: int, length: int, flags: int = 0
+) -> bytes:
     if len(key) != KEY_SIZE:
         raise ValueError(f"keys are {KEY_SIZE} bytes, got {len(key)}")
-    dtype_id = DTYPE_IDS[layout.dtype]
-    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, codec_id, layout.fingerprint, key, num_tokens, dtype_id, length, 0)
+    dtype_id = DTYPE_IDS[dtype]
+    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, codec_id, fingerprint, key, num_tokens, dtype_id, flags, length, 0)
     return packed[:_CHECKED_PREFIX]
 
 
@@ -75,17 +83,51 @@ def _checksum(prefix: bytes | memoryview, payload: memoryview) -> int:
     return h.intdigest()
 
 
-def seal(buf: memoryview, key: bytes, layout: KVLayout, num_tokens: int, codec_id: int = 0) -> ObjectHeader:
+def seal(
+    buf: memoryview, key: bytes, layout: KVLayout, num_tokens: int, codec_id: int = 0, checksum: bool = True
+) -> ObjectHeader:
     """Write the header into ``buf[:HEADER_SIZE]`` for the payload already in ``buf[HEADER_SIZE:]``.
 
     This is how an object is built in place (in an arena slot, say) without copying the payload.
+    ``checksum=False`` leaves the checksum to ``ensure_sealed``: only for objects that stay in
+    memory until then.
     """
+    return _seal(buf, codec_id, layout.fingerprint, layout.dtype, key, num_tokens, checksum)
+
+
+def reseal(buf: memoryview, like: ObjectHeader, codec_id: int) -> ObjectHeader:
+    """Seal the payload in ``buf[HEADER_SIZE:]`` as the object ``like`` describes (layout, key,
+    tokens, dtype) stored with another codec: how a tier that knows an object only by its header
+    re-encodes it."""
+    return _seal(buf, codec_id, like.layout_fingerprint, like.dtype, like.key, like.num_tokens)
+
+
+def _seal(
+    buf: memoryview, codec_id: int, fingerprint: bytes, dtype: str, key: bytes, num_tokens: int, checksum: bool = True
+) -> ObjectHeader:
     payload = buf[HEADER_SIZE:]
-    prefix = _pack_prefix(codec_id, layout, key, num_tokens, len(payload))
-    checksum = _checksum(prefix, payload)
+    if not checksum:
+        buf[:_CHECKED_PREFIX] = _pack_prefix(codec_id, fingerprint, dtype, key, num_tokens, len(payload), UNSEALED)
+        buf[_CHECKED_PREFIX:HEADER_SIZE] = bytes(8)
+        return ObjectHeader(codec_id, fingerprint, key, num_tokens, dtype, len(payload), 0, sealed=False)
+    prefix = _pack_prefix(codec_id, fingerprint, dtype, key, num_tokens, len(payload))
+    value = _checksum(prefix, payload)
     buf[:_CHECKED_PREFIX] = prefix
-    buf[_CHECKED_PREFIX:HEADER_SIZE] = struct.pack("<Q", checksum)
-    return ObjectHeader(codec_id, layout.fingerprint, key, num_tokens, layout.dtype, len(payload), checksum)
+    buf[_CHECKED_PREFIX:HEADER_SIZE] = struct.pack("<Q", value)
+    return ObjectHeader(codec_id, fingerprint, key, num_tokens, dtype, len(payload), value)
+
+
+def ensure_sealed(buf: memoryview) -> None:
+    """Compute and write the checksum of an object sealed without one; a no-op for the others.
+    Safe beside readers that do not verify checksums (they see the same KV throughout)."""
+    header = read_header(buf)
+    if header.sealed:
+        return
+    prefix = bytearray(buf[:_CHECKED_PREFIX])
+    prefix[_FLAGS_OFFSET] &= ~UNSEALED
+    value = _checksum(prefix, buf[HEADER_SIZE : HEADER_SIZE + header.payload_length])
+    buf[_CHECKED_PREFIX:HEADER_SIZE] = struct.pack("<Q", value)
+    buf[_FLAGS_OFFSET] = prefix[_FLAGS_OFFSET]
 
 
 def build_object(
@@ -97,7 +139,7 @@ def build_object(
     if len(raw) != expected:
         raise ValueError(f"payload is {len(raw)} bytes, {num_tokens} tokens of this layout need {expected}")
     chosen = codec_by_name(codec)
-    stored = memoryview(chosen.encode(raw, layout)).cast("B")
+    stored = memoryview(chosen.encode(raw, layout.dtype)).cast("B")
     buf = bytearray(object_size(len(stored)))
     view = memoryview(buf)
     view[HEADER_SIZE:] = stored
@@ -110,7 +152,7 @@ def read_header(buf: bytes | memoryview) -> ObjectHeader:
     view = memoryview(buf).cast("B")
     if len(view) < HEADER_SIZE:
         raise Truncated(f"object is {len(view)} bytes, shorter than its {HEADER_SIZE}-byte header")
-    magic, version, codec_id, fingerprint, key, num_tokens, dtype_id, length, checksum = _HEADER.unpack_from(view)
+    magic, version, codec_id, fingerprint, key, num_tokens, dtype_id, flags, length, checksum = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise BadMagic(f"not a kvtier object (magic {magic!r})")
     if version != FORMAT_VERSION:
@@ -119,7 +161,8 @@ def read_header(buf: bytes | memoryview) -> ObjectHeader:
         raise UnsupportedVersion(f"object dtype id {dtype_id} is unknown to this build")
     if len(view) < HEADER_SIZE + length:
         raise Truncated(f"object is {len(view)} bytes, its header promises {HEADER_SIZE + length}")
-    return ObjectHeader(codec_id, fingerprint, key, num_tokens, DTYPE_NAMES[dtype_id], length, checksum)
+    sealed = not flags & UNSEALED
+    return ObjectHeader(codec_id, fingerprint, key, num_tokens, DTYPE_NAMES[dtype_id], length, checksum, sealed)
 
 
 def check_object(buf: bytes | memoryview, key: bytes, verify_checksum: bool = True) -> tuple[ObjectHeader, memoryview]:
@@ -131,8 +174,11 @@ def check_object(buf: bytes | memoryview, key: bytes, verify_checksum: bool = Tr
     if header.key != key:
         raise KeyMismatch("object is stored under a key that is not its own")
     payload = view[HEADER_SIZE : HEADER_SIZE + header.payload_length]
-    if verify_checksum and _checksum(view[:_CHECKED_PREFIX], payload) != header.checksum:
-        raise ChecksumMismatch("object checksum does not match its contents")
+    if verify_checksum:
+        if not header.sealed:
+            raise ChecksumMismatch("object has no checksum: it was never sealed for storage")
+        if _checksum(view[:_CHECKED_PREFIX], payload) != header.checksum:
+            raise ChecksumMismatch("object checksum does not match its contents")
     return header, payload
 
 
@@ -153,7 +199,7 @@ def decode_payload(buf: bytes | memoryview, key: bytes, layout: KVLayout, verify
     """The raw KV payload of an object, checked and decoded."""
     header, stored = open_object(buf, key, layout, verify_checksum)
     raw_size = header.num_tokens * layout.bytes_per_token
-    raw = memoryview(codec_by_id(header.codec_id).decode(stored, layout, raw_size)).cast("B")
+    raw = memoryview(codec_by_id(header.codec_id).decode(stored, header.dtype, raw_size)).cast("B")
     if len(raw) != raw_size:
         raise LayoutMismatch(f"payload decodes to {len(raw)} bytes, {header.num_tokens} tokens need {raw_size}")
     return raw

@@ -85,12 +85,13 @@ class StoreStats:
 
 
 def payload_chunks(
-    spans: Sequence[ChunkSpan], objects: Sequence[memoryview], layout: KVLayout, verify_checksum: bool
+    spans: Sequence[ChunkSpan], objects: Sequence[memoryview], layout: KVLayout, verify: Sequence[bool]
 ) -> list[RetrievedChunk]:
-    """The raw KV of each object of a retrieved prefix, checked against its span and layout;
-    stops at the first object that does not fit (the rest of the prefix is then a miss)."""
+    """The raw KV of each object of a retrieved prefix, checked against its span and layout (and
+    its checksum where ``verify`` says); stops at the first object that does not fit (the rest
+    of the prefix is then a miss)."""
     chunks = []
-    for span, obj in zip(spans, objects):
+    for span, obj, verify_checksum in zip(spans, objects, verify):
         try:
             payload = decode_payload(obj, span.key, layout, verify_checksum)
             if len(payload) != span.num_tokens * layout.bytes_per_token:
@@ -216,8 +217,8 @@ class TieredStore:
         checked against the namespace's layout. Use as a context manager."""
         spans = [s for s in self.spans(namespace, tokens) if max_tokens is None or s.end <= max_tokens]
         leases = self.acquire([span.key for span in spans])
-        # Objects in L1 were sealed here or checked on the way in: the header check is enough.
-        chunks = payload_chunks(spans, [lease.view for lease in leases], namespace.layout, verify_checksum=False)
+        # L1 holds objects sealed here or checked on the way in: the header check is enough.
+        chunks = payload_chunks(spans, [lease.view for lease in leases], namespace.layout, [False] * len(leases))
         self.stats.refused += len(chunks) < len(leases)
         return Retrieval(chunks, lambda: self.release(leases))
 
@@ -251,7 +252,7 @@ class TieredStore:
                 break  # later chunks would be unreachable without this one
             try:
                 fill(span, reservation.view[HEADER_SIZE:])
-                seal(reservation.view, span.key, layout, span.num_tokens)
+                seal(reservation.view, span.key, layout, span.num_tokens, checksum=False)
             except BaseException:
                 self.abort(reservation)
                 raise
@@ -281,6 +282,7 @@ class TieredStore:
     def _write_below(self) -> None:
         while (lease := self._queue.get()) is not None:
             try:
+                self.l1.ensure_sealed(lease)
                 for tier in self.lower:
                     if not self._put(tier, lease.key, lease.view):
                         self.stats.failed_writes += 1

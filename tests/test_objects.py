@@ -81,3 +81,19 @@ def test_unknown_codec_is_refused():
 def test_payload_size_must_match_the_layout():
     with pytest.raises(ValueError):
         build_object(KEY, LAYOUT, 5, b"\0" * 7)
+
+
+def test_unsealed_object_passes_header_checks_only_until_sealed():
+    from kvtier.objects import ensure_sealed, seal
+
+    payload, sealed = make()
+    buf = memoryview(bytearray(sealed))
+    seal(buf, KEY, LAYOUT, 5, checksum=False)
+    assert not read_header(buf).sealed
+    assert bytes(decode_payload(buf, KEY, LAYOUT, verify_checksum=False)) == payload
+    with pytest.raises(errors.ChecksumMismatch):
+        check_object(buf, KEY)  # storage and transit never accept it
+    ensure_sealed(buf)
+    assert bytes(buf) == bytes(sealed)  # exactly the object sealed in one go
+    ensure_sealed(buf)  # idempotent
+    assert bytes(buf) == bytes(sealed)

@@ -248,7 +248,10 @@ class CacheService:
         inline = request.inline or self.arena.path is None
         offsets = [-1 if inline or not lease.pinned else lease.offset for lease in leases]
         sizes = [len(lease.view) for lease in leases]
-        out = [lease.view for lease, offset in zip(leases, offsets) if offset < 0]
+        out = [lease for lease, offset in zip(leases, offsets) if offset < 0]
+        for lease in out:  # bytes that cross a socket carry their checksum
+            self.store.l1.ensure_sealed(lease)
+        out = [lease.view for lease in out]
         if inline:
             reply = p.RetrieveReply(lease=0, offsets=offsets, sizes=sizes)
             return [p.encode(reply), *out], lambda: self.store.release(leases)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.objects import read_header
+from kvtier.objects import ensure_sealed, read_header
 from kvtier.tiers.arena import Allocator, align_up, allocate_buffer
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.eviction import make_policy
@@ -150,6 +150,7 @@ class MemoryTier(Tier):
             return [(slot := self._slots.get(k)) is not None and slot.visible for k in keys]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Copies of the objects, each with its checksum: copies leave this memory."""
         results: list[bytes | None] = []
         for key in keys:
             lease = self.lease(key)
@@ -157,10 +158,18 @@ class MemoryTier(Tier):
                 results.append(None)
                 continue
             try:
-                results.append(bytes(lease.view))
+                copy = bytearray(lease.view)
             finally:
                 self.release(lease)
+            ensure_sealed(memoryview(copy))
+            results.append(bytes(copy))
         return results
+
+    def ensure_sealed(self, lease: Lease) -> None:
+        """Give a leased object its checksum in place (objects.ensure_sealed) before it leaves
+        memory: to a lower tier, or over a socket."""
+        if lease.pinned:
+            ensure_sealed(self._arena[lease.offset : lease.offset + len(lease.view)])
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         results = []
