@@ -41,19 +41,68 @@ def _http(url: str, path: str, method: str = "GET", token: str = "") -> dict:
         return json.load(response)
 
 
+def _duration(s: float) -> str:
+    if s < 3600:
+        return f"{s:.0f} s" if s < 60 else f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h" if s < 86400 else f"{s / 86400:.1f} d"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
 def _status(args: argparse.Namespace) -> int:
+    from rich import box
+    from rich.console import Console
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
     status = _http(args.url, "/status")
-    print(f"kvtier {status['version']}  up {status['uptime_s']:.0f} s  clients {status.get('connected_clients', '?')}"
-          f"  shared memory {'on' if status['shared_memory'] else 'off'}")
-    for tier in status["tiers"]:
+    traffic, tiers = status.get("traffic", {}), status["tiers"]
+    console = Console(highlight=False)
+    console.print(
+        f"[bold]kvtier {status['version']}[/]  up {_duration(status['uptime_s'])}"
+        f"  clients [bold]{status.get('connected_clients', '?')}[/]"
+        f"  shared memory {'on' if status['shared_memory'] else '[yellow]off[/]'}  [dim]{args.url}[/]"
+    )
+    requested, hit_by_tier = traffic.get("requested_tokens", 0), traffic.get("hit_tokens", {})
+    hit = sum(hit_by_tier.values())
+    if requested:
+        rate = hit / requested
+        color = "green" if rate >= 0.5 else "yellow" if rate >= 0.2 else "red"
+        per_tier = ", ".join(f"{name} {n / requested:.1%}" for name, n in hit_by_tier.items())
+        console.print(f"hit rate [bold {color}]{rate:.1%}[/] ({per_tier})  {hit:,} of {requested:,} tokens from cache")
+    else:
+        console.print("hit rate [dim]no lookups yet[/]")
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=0)
+    for name, justify in (("tier", "left"), ("usage", "left"), ("", "right"), ("objects", "right"),
+                          ("hit tokens", "right"), ("evictions", "right"), ("corrupt", "right"), ("errors", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    warn = lambda n: Text(f"{n:,}", style="bold red" if n else "")  # noqa: E731
+    for tier in tiers:
         if "error" in tier:
-            print(f"  {tier['name']:<8} unavailable ({tier['error']})")
+            table.add_row(tier["name"], Text(f"unavailable ({tier['error']})", style="red"), "", "", "", "", "", "")
             continue
-        share = tier["used_bytes"] / tier["capacity_bytes"] if tier["capacity_bytes"] else 0
-        stats = tier["stats"]
-        print(f"  {tier['name']:<8} {tier['used_bytes'] / 2**30:8.2f} / {tier['capacity_bytes'] / 2**30:.2f} GiB"
-              f" ({share:5.1%})  {tier['objects']} objects  hits {stats['hits']}  misses {stats['misses']}"
-              f"  evictions {stats['evictions']}  corrupt {stats['corrupt']}")
+        used, capacity, stats = tier["used_bytes"], tier["capacity_bytes"], tier["stats"]
+        share = used / capacity if capacity else 0.0
+        color = "red" if share > 0.9 else "yellow" if share > 0.75 else "blue"
+        bar = ProgressBar(total=capacity or 1, completed=used, width=12, complete_style=color, finished_style=color)
+        table.add_row(tier["name"], bar, f"{share:6.1%} of {_size(capacity)}", f"{tier['objects']:,}",
+                      f"{hit_by_tier.get(tier['name'], 0):,}", f"{stats['evictions']:,}", warn(stats["corrupt"]),
+                      warn(stats["errors"]))
+    console.print(table)
+    store = status["store"]
+    console.print(Text.assemble(
+        f"lookups {traffic.get('lookups', 0):,}  stored tokens {traffic.get('stored_tokens', 0):,}",
+        "  dropped writes ", warn(store["dropped_writes"]), "  failed writes ", warn(store["failed_writes"]),
+        f"  promotions {store['promotions']:,}",
+    ))
     return 0
 
 

@@ -39,9 +39,45 @@ class ServerMetrics:
         self.expired = Counter("kvtier_expired", "Leases and reservations that timed out", ["kind"], registry=r)
         Gauge("kvtier_connected_clients", "Client connections", registry=r).set_function(connected_clients)
         r.register(_StoreCollector(store))
+        self._tier_names = [tier.name for tier in store.tiers]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def traffic(self) -> dict:
+        """The server-side counters as plain cumulative numbers, for ``/status`` (the dashboard
+        computes rates from two of these; nothing is sampled here)."""
+        hit_tokens = dict.fromkeys(self._tier_names, 0)
+        requests: dict[str, int] = {}
+        client_errors: dict[str, int] = {}
+        expired: dict[str, int] = {}
+        values: dict[str, float] = {}
+        for family in (self.lookups, self.requested_tokens, self.hit_tokens, self.stored_tokens, self.retrieve_bytes,
+                       self.latency, self.client_errors, self.expired):
+            for metric in family.collect():
+                for sample in metric.samples:
+                    name, labels, value = sample.name, sample.labels, int(sample.value)
+                    if name == "kvtier_lookup_hit_tokens_total":
+                        hit_tokens[labels["tier"]] = value
+                    elif name == "kvtier_request_seconds_count":
+                        requests[labels["op"]] = value
+                    elif name == "kvtier_client_errors_total":
+                        client_errors[labels["code"]] = value
+                    elif name == "kvtier_expired_total":
+                        expired[labels["kind"]] = value
+                    elif not labels:
+                        values[name] = value
+        return {
+            "lookups": values.get("kvtier_lookups_total", 0),
+            "requested_tokens": values.get("kvtier_lookup_requested_tokens_total", 0),
+            "hit_tokens": hit_tokens,
+            "stored_tokens": values.get("kvtier_stored_tokens_total", 0),
+            "retrieve_requests": values.get("kvtier_retrieve_bytes_count", 0),
+            "retrieved_bytes": values.get("kvtier_retrieve_bytes_sum", 0),
+            "requests": requests,
+            "client_errors": client_errors,
+            "expired": expired,
+        }
 
 
 class _StoreCollector:

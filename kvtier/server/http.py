@@ -2,17 +2,19 @@
 
 Mutating endpoints need the admin token when one is set (``Authorization: Bearer <token>``).
 No endpoint runs code or touches files; the status shows the config with secrets masked.
+``/dashboard`` is a read-only page (files of ``dashboard/`` in this package) that polls ``/status``.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+from importlib import resources
 from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI, Header, HTTPException
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvtier import __version__
@@ -43,7 +45,34 @@ def create_app(service, metrics, ready: Callable[[], bool]) -> FastAPI:
 
     app.post("/clear-cache")(clear_cache)
     app.post("/api/clear-cache")(clear_cache)
+    _add_dashboard(app)
     return app
+
+
+_DASHBOARD_ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+#: The page loads nothing but its own files and /status: no CDN, no inline script.
+_DASHBOARD_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "Cache-Control": "no-cache",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+def _add_dashboard(app: FastAPI) -> None:
+    files = resources.files("kvtier.server") / "dashboard"
+    page = (files / "index.html").read_bytes()
+    assets = {name: (files / name).read_bytes() for name in _DASHBOARD_ASSETS}
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    def dashboard() -> Response:
+        return HTMLResponse(page, headers=_DASHBOARD_HEADERS)
+
+    @app.get("/dashboard/{name}")
+    def dashboard_asset(name: str) -> Response:
+        if name not in assets:
+            raise HTTPException(status_code=404, detail="no such file")
+        return Response(assets[name], media_type=_DASHBOARD_ASSETS[name], headers=_DASHBOARD_HEADERS)
 
 
 class HttpServer:
