@@ -33,6 +33,20 @@ def _server(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
 
 
+def _pd_proxy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import uvicorn
+
+    from kvtier.disagg.proxy import create_app
+
+    for url in args.prefill + args.decode:
+        if not url.startswith(("http://", "https://")):
+            parser.error(f"instance URLs start with http:// or https://, got {url!r}")
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode], args.timeout_s)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _http(url: str, path: str, method: str = "GET", token: str = "") -> dict:
     request = urllib.request.Request(url.rstrip("/") + path, method=method)
     if token:
@@ -126,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     clear = kvcache.add_parser("clear", help="remove every cached object from every tier")
     clear.add_argument("--url", default="http://127.0.0.1:8080", help="the server's HTTP address")
     clear.add_argument("--token", default=None, help="admin token (or env KVTIER_ADMIN_TOKEN)")
+    proxy = commands.add_parser("pd-proxy", help="OpenAI-compatible front for prefill and decode instances")
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (http://host:port)")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (http://host:port)")
+    proxy.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    proxy.add_argument("--port", type=int, default=8100, help="port to serve on (default 8100)")
+    proxy.add_argument("--timeout-s", type=float, default=600.0, help="per upstream request")
     commands.add_parser("demo", help="prefix reuse on a tiny local model: TTFT cold vs warm", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
@@ -135,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         return demo(rest) or 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "pd-proxy":
+        return _pd_proxy(args, proxy)
     try:
         if args.command == "server":
             return _server(args, server)
