@@ -125,17 +125,18 @@ def convert(data: object, schema: type) -> object:
 
 
 def parse_adapter(text: str) -> AdapterConfig:
-    """One ``--l2-adapter`` JSON value."""
+    """One ``--l2-adapter`` JSON value. Errors name the problem, never echo the text: it may
+    hold a URL with a password."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"adapter is not valid JSON ({exc}): {text!r}") from None
+        raise ConfigError(f"adapter is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     if not isinstance(data, dict) or "type" not in data:
-        raise ConfigError(f'adapter must be a JSON object with a "type" field, got {text!r}')
+        raise ConfigError('adapter must be a JSON object with a "type" field')
     try:
         return convert(data, AdapterConfig)
     except ConfigError as exc:
-        raise ConfigError(f"adapter {text}: {exc}") from None
+        raise ConfigError(f"adapter of type {str(data['type'])[:20]!r}: {exc}") from None
 
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]

@@ -96,6 +96,9 @@ class _StoreCollector:
         )
         errors = CounterMetricFamily("kvtier_tier_errors", "I/O or connection errors per tier", labels=["tier"])
         rejected = CounterMetricFamily("kvtier_tier_rejected_puts", "Puts refused for want of room", labels=["tier"])
+        healthy = GaugeMetricFamily(
+            "kvtier_tier_healthy", "1 while the tier answers; 0 while it is skipped (remote store down)", labels=["tier"]
+        )
         for tier in self.store.tiers:
             try:
                 u = tier.usage()
@@ -109,6 +112,7 @@ class _StoreCollector:
             corrupt.add_metric([tier.name], tier.stats.corrupt)
             errors.add_metric([tier.name], tier.stats.errors)
             rejected.add_metric([tier.name], tier.stats.rejected_puts)
+            healthy.add_metric([tier.name], int(tier.healthy))
         stats = self.store.stats
         dropped = CounterMetricFamily("kvtier_dropped_writes", "Lower-tier writes dropped: queue full")
         dropped.add_metric([], stats.dropped_writes)
@@ -116,4 +120,4 @@ class _StoreCollector:
         failed.add_metric([], stats.failed_writes)
         promotions = CounterMetricFamily("kvtier_promotions", "Objects promoted from a lower tier into L1")
         promotions.add_metric([], stats.promotions)
-        return [usage, capacity, objects, evictions, corrupt, errors, rejected, dropped, failed, promotions]
+        return [usage, capacity, objects, evictions, corrupt, errors, rejected, healthy, dropped, failed, promotions]

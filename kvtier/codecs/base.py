@@ -5,11 +5,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from kvtier.errors import ConfigError, UnknownCodec
-from kvtier.layout import KVLayout
 
 
 class Codec(ABC):
-    """Turns a raw KV payload into stored bytes and back."""
+    """Turns a raw KV payload into stored bytes and back.
+
+    A codec sees only what an object header says about the payload (its element ``dtype``, one of
+    ``layout.DTYPE_SIZES``), so that a tier holding objects of many models can encode any of them.
+    ``decode`` raises an ``ObjectError`` for stored bytes it cannot read.
+    """
 
     #: Written into every object header; never reuse an id for another encoding.
     codec_id: int
@@ -18,13 +22,17 @@ class Codec(ABC):
     #: Whether decode(encode(x)) == x exactly; lossy codecs must be chosen explicitly.
     lossless: bool
 
-    @abstractmethod
-    def encode(self, payload: memoryview, layout: KVLayout) -> bytes | memoryview:
-        """Stored bytes for a raw payload."""
+    def accepts(self, dtype: str) -> bool:
+        """Whether ``encode`` takes payloads of ``dtype`` elements (a tier stores others raw)."""
+        return True
 
     @abstractmethod
-    def decode(self, data: memoryview, layout: KVLayout, raw_size: int) -> bytes | memoryview:
-        """The raw payload (``raw_size`` bytes) from stored bytes."""
+    def encode(self, payload: memoryview, dtype: str) -> bytes | memoryview:
+        """Stored bytes for a raw payload of ``dtype`` elements."""
+
+    @abstractmethod
+    def decode(self, data: memoryview, dtype: str, raw_size: int) -> bytes | memoryview:
+        """The raw payload (``raw_size`` bytes of ``dtype`` elements) from stored bytes."""
 
 
 _BY_ID: dict[int, Codec] = {}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from kvtier.codecs.base import Codec
-from kvtier.layout import KVLayout
 
 
 class RawCodec(Codec):
@@ -11,8 +10,8 @@ class RawCodec(Codec):
     name = "raw"
     lossless = True
 
-    def encode(self, payload: memoryview, layout: KVLayout) -> memoryview:
+    def encode(self, payload: memoryview, dtype: str) -> memoryview:
         return payload
 
-    def decode(self, data: memoryview, layout: KVLayout, raw_size: int) -> memoryview:
+    def decode(self, data: memoryview, dtype: str, raw_size: int) -> memoryview:
         return data

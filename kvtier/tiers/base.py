@@ -81,5 +81,11 @@ class Tier(ABC):
         """Remove every object; returns how many there were."""
         raise NotImplementedError
 
+    @property
+    def healthy(self) -> bool:
+        """Whether the tier answers. A remote tier that does not is skipped (misses, dropped
+        writes) until a probe finds it back; local tiers always do."""
+        return True
+
     def close(self) -> None:
         pass

@@ -1,0 +1,302 @@
+"""A Redis or Valkey tier (a single server or a Redis Cluster): the cache many hosts share.
+
+Each object is one string value under ``<key_prefix><64 hex>``. Batches travel in one pipeline
+(one round trip): EXISTS for ``contains``, GET (GETEX with a TTL, so that reading an object keeps
+it alive) for ``get``, and SET NX for ``put``, so an object another host stored is not sent again.
+Every value read is checked: a corrupt or foreign one is a miss and is deleted.
+
+Capacity is the server's: give it a ``maxmemory`` and an ``allkeys-lru`` (or ``allkeys-lfu``)
+policy and it evicts least-recently-used objects itself, which is right for a cache that several
+hosts write at once; counting on the kvtier side would count one host's writes only. The tier
+warns at connect time when the server would instead refuse writes once full, and counts such
+refused writes in ``stats.rejected_puts``.
+
+A connection error or timeout marks the tier unhealthy (health.py): it is skipped until a PING
+answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisError, ResponseError, TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from kvtier.errors import ObjectError
+from kvtier.objects import check_object
+from kvtier.tiers.base import Tier, TierUsage
+from kvtier.tiers.health import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Health
+
+logger = logging.getLogger(__name__)
+
+#: Keys per DEL or SCAN round trip in ``clear``.
+BATCH = 1000
+
+
+def redacted_url(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))
+
+
+class RedisTier(Tier):
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        key_prefix: str = "kvtier:",
+        ttl_s: int | None = None,
+        cluster: bool = False,
+        password: str | None = None,
+        ssl: dict[str, Any] | None = None,
+        socket_timeout_s: float = 2.0,
+        connect_timeout_s: float = 1.0,
+        initial_backoff_s: float = INITIAL_BACKOFF_S,
+        max_backoff_s: float = MAX_BACKOFF_S,
+    ) -> None:
+        """``ssl`` holds redis-py's ``ssl_*`` keyword arguments (for ``rediss://`` URLs).
+        Probes the server once here: one that is down at start makes the tier unhealthy, not an
+        error."""
+        super().__init__()
+        self.url = url
+        self.key_prefix = key_prefix
+        self.ttl_s = ttl_s
+        self.cluster = cluster
+        self._options: dict[str, Any] = {
+            "socket_timeout": socket_timeout_s,
+            "socket_connect_timeout": connect_timeout_s,
+            "retry": Retry(NoBackoff(), 0),  # fail fast: Health decides when to try again
+            **(ssl or {}),
+        }
+        if password is not None:
+            self._options["password"] = password
+        self._client: redis.Redis | RedisCluster | None = None
+        self._lock = threading.Lock()
+        self._warned_refusal = False
+        self.health = Health(
+            f"redis tier {redacted_url(url)}", self._probe, self.stats, initial_backoff_s, max_backoff_s
+        )
+        self.health.check()
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
+
+    # -- the Tier interface ------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        found = self._call(lambda client: self._pipeline(client, lambda p, name: p.exists(name), keys))
+        return [False] * len(keys) if found is None else [bool(n) for n in found]
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
+        if not keys:
+            return []
+
+        def read(pipe, name):
+            return pipe.getex(name, ex=self.ttl_s) if self.ttl_s else pipe.get(name)
+
+        values = self._call(lambda client: self._pipeline(client, read, keys))
+        if values is None:
+            self._count(misses=len(keys))
+            return [None] * len(keys)
+        out: list[bytes | memoryview | None] = []
+        bad = []
+        for key, value in zip(keys, values):
+            out.append(self._checked(key, value))
+            if out[-1] is None and value is not None:
+                bad.append(key)
+        if bad:
+            self.delete(bad)
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        objects = []
+        for key, data in items:
+            view = memoryview(data).cast("B")
+            try:
+                header, _ = check_object(view, key, verify_checksum=False)  # the caller sealed it
+            except ObjectError:
+                self._count(rejected_puts=1)
+                objects.append(None)
+                continue
+            objects.append(view[: header.object_size])
+        todo = [(key, obj) for (key, _), obj in zip(items, objects) if obj is not None]
+        if not todo:
+            return [False] * len(items)
+
+        def write(client):
+            pipe = client.pipeline(transaction=False)
+            for key, obj in todo:
+                pipe.set(self._name(key), obj, nx=True, ex=self.ttl_s)
+            return pipe.execute(raise_on_error=False)
+
+        results = self._call(write)
+        if results is None:
+            self.health.dropped(len(todo))
+            return [False] * len(items)
+        stored = iter(zip(todo, results))
+        out = []
+        for obj in objects:
+            if obj is None:
+                out.append(False)
+                continue
+            (key, obj), result = next(stored)
+            if isinstance(result, Exception):  # OOM with a noeviction policy, say
+                self._count(rejected_puts=1)
+                self._warn_refused(result)
+                out.append(False)
+                continue
+            if result:  # None: the object was there already
+                self._count(puts=1, put_bytes=len(obj))
+            out.append(True)
+        return out
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        removed = self._call(lambda client: client.delete(*[self._name(key) for key in keys]))
+        return removed or 0
+
+    def clear(self) -> int:
+        """Delete every kvtier object under the key prefix (SCAN, so the server is never
+        blocked); other keys stay."""
+
+        def clear_all(client) -> int:
+            removed = 0
+            batch = []
+            for name in client.scan_iter(match=_glob_escape(self.key_prefix) + "[0-9a-f]" * 64, count=BATCH):
+                batch.append(name)
+                if len(batch) >= BATCH:
+                    removed += client.delete(*batch)
+                    batch.clear()
+            return removed + (client.delete(*batch) if batch else 0)
+
+        return self._call(clear_all) or 0
+
+    def usage(self) -> TierUsage:
+        """The server's memory and key count (every key in the database, not only kvtier's);
+        capacity 0 means the server has no ``maxmemory``."""
+        info = self._call(lambda client: (_summed(client.info("memory")), client.dbsize()))
+        if info is None:
+            return TierUsage(0, 0, 0)
+        memory, objects = info
+        return TierUsage(memory.get("used_memory", 0), memory.get("maxmemory", 0), objects)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- talking to the server ---------------------------------------------------------------
+
+    def _name(self, key: bytes) -> str:
+        return self.key_prefix + key.hex()
+
+    def _pipeline(self, client, command: Callable[[Any, str], Any], keys: Sequence[bytes]) -> list:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            command(pipe, self._name(key))
+        return pipe.execute(raise_on_error=False)
+
+    def _checked(self, key: bytes, value: Any) -> bytes | memoryview | None:
+        """A value read under ``key`` if it is a whole object for it; counts the hit or miss."""
+        if value is None:
+            self._count(misses=1)
+            return None
+        try:
+            if isinstance(value, Exception):  # a key of another type under our prefix: foreign
+                raise ObjectError(str(value))
+            header, _ = check_object(value, key)
+        except ObjectError as e:
+            logger.warning("redis object %s is corrupt or foreign (%s); deleting it", self._name(key), e)
+            self._count(misses=1, corrupt=1)
+            return None
+        self._count(hits=1, get_bytes=header.object_size)
+        return memoryview(value)[: header.object_size]
+
+    def _call(self, operation: Callable[[Any], Any]) -> Any:
+        """``operation(client)``, or None when the server is skipped or fails to answer."""
+        if not self.health.available():
+            return None
+        try:
+            return operation(self._client)
+        except RedisTimeoutError as e:
+            self._count(errors=1)
+            self.health.failed(e, timeout=True)
+        except ResponseError as e:  # the server answered: it is up, the command was refused
+            logger.warning("redis tier: %s", e)
+            self._count(errors=1)
+        except RedisError as e:
+            self._count(errors=1)
+            self.health.failed(e)
+        return None
+
+    def _probe(self) -> None:
+        if self._client is None:
+            client_class = RedisCluster if self.cluster else redis.Redis
+            client = client_class.from_url(self.url, **self._options)  # a cluster connects here
+            try:
+                client.ping()
+                self._check_eviction_policy(client)
+            except BaseException:
+                client.close()
+                raise
+            self._client = client
+        else:
+            self._client.ping()
+
+    def _check_eviction_policy(self, client) -> None:
+        memory = _summed(client.info("memory"))
+        policy = memory.get("maxmemory_policy", "")
+        if not memory.get("maxmemory"):
+            logger.warning(
+                "redis tier: the server has no maxmemory, so nothing bounds the cache; set "
+                "maxmemory and maxmemory-policy allkeys-lru (docs/remote-tiers.md)"
+            )
+        elif not (policy.startswith("allkeys-") or (self.ttl_s and policy.startswith("volatile-"))):
+            logger.warning(
+                "redis tier: maxmemory-policy is %s, so writes fail once the server is full; "
+                "allkeys-lru evicts old objects instead", policy,
+            )
+
+    def _count(self, **deltas: int) -> None:
+        """Bump counters: callers come from many threads (a server's handlers)."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+    def _warn_refused(self, error: Exception) -> None:
+        if not self._warned_refusal:
+            self._warned_refusal = True
+            logger.warning("redis tier: the server refused a write (%s); further refusals are only counted", error)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _summed(info: dict) -> dict:
+    """INFO of one server, or of every node of a cluster added up."""
+    if info and all(isinstance(v, dict) for v in info.values()):
+        total: dict = {}
+        for node_info in info.values():
+            for name, value in node_info.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[name] = total.get(name, 0) + value
+                else:
+                    total.setdefault(name, value)
+        return total
+    return info

