@@ -15,20 +15,14 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import closing
 from pathlib import Path
 
 import pytest
+from kvtier_processes import free_port
 
 S3_ACCESS_KEY = "kvtier-test"
 S3_SECRET_KEY = "kvtier-test-secret"
 S3_BUCKET = "kvtier-test"
-
-
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def require(executable: str, how: str) -> str:
