@@ -11,7 +11,6 @@ import json
 import multiprocessing
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
