@@ -58,12 +58,15 @@ class _Server:
         )
         log.close()
         deadline = time.monotonic() + timeout_s
-        while not self.ready():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                tail = (self.folder / f"{self.name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name} did not start:\n{tail}")
-            time.sleep(0.05)
+        try:
+            while not self.ready():
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    tail = (self.folder / f"{self.name}.log").read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{self.name} did not start:\n{tail}")
+                time.sleep(0.05)
+        except BaseException:  # whatever went wrong, leave no server behind
+            self.stop()
+            raise
 
     def stop(self) -> None:
         """Kill the process (what a crash or a lost host looks like to a client) and reap it."""
