@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from common import GIB, best_of
+from common import GIB, best_of_interleaved
 from plotting import add_plot_flag, comparison_bars
 
 from kvtier.layout import KVLayout
@@ -84,12 +84,8 @@ def bench_l1(objects, repeats: int) -> dict[str, float]:
             np.copyto(dest, np.frombuffer(lease.view, dtype=np.uint8))
             tier.release(lease)
 
-    result = {
-        "memcpy_in": best_of(repeats, memcpy_in),
-        "put": best_of(repeats, put),
-        "memcpy_out": best_of(repeats, memcpy_out),
-        "get": best_of(repeats, get),
-    }
+    result = best_of_interleaved(repeats, memcpy_in=memcpy_in, put=put)
+    result.update(best_of_interleaved(repeats, memcpy_out=memcpy_out, get=get))
     assert tier.usage().objects == len(objects)
     return {name: total / seconds / GIB for name, seconds in result.items()}
 
@@ -149,10 +145,9 @@ def bench_l2(objects, workdir: Path, odirect: bool, repeats: int) -> dict[str, f
         for key, _ in objects:
             assert tier[0].get_into(key, lambda n: memoryview(dest)[:n]) is not None
 
-    result = {"raw_put": best_of(repeats, raw_put), "put": best_of(repeats, tier_put)}
+    result = best_of_interleaved(repeats, raw_put=raw_put, put=tier_put)
     # Cold reads: the cache drop is inside the timed region for both, so it costs both the same.
-    result["raw_get"] = best_of(repeats, raw_get)
-    result["get"] = best_of(repeats, tier_get)
+    result.update(best_of_interleaved(repeats, raw_get=raw_get, get=tier_get))
     tier[0].close()
     shutil.rmtree(workdir, ignore_errors=True)
     return {name: total / seconds / GIB for name, seconds in result.items()}
@@ -166,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     add_plot_flag(parser)
     args = parser.parse_args(argv)
 
-    repeats = 3 if args.quick else 7
+    repeats = 5 if args.quick else 9
     counts = {"llama8b-32MiB": 8 if args.quick else 32, "tiny-1MiB": 128 if args.quick else 512}
     rows, summary = [], {}
     for name, layout in GEOMETRIES.items():
