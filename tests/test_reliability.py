@@ -91,6 +91,7 @@ def test_disk_full_keeps_serving_and_recovers(tmp_path):
                 assert client.store(NS, toks, fill_for(toks)) == 5
             wait_for(lambda: l2(server)["stats"]["errors"] > 0)
             assert server.get("/healthcheck") == {"status": "healthy"}
+            assert l2(server)["healthy"] is False and 'kvtier_tier_healthy{tier="L2"} 0.0' in server.get("/metrics")
             toks = tokens(59 * 1000, 80)
             with client.retrieve(NS, toks) as r:  # served from L1 all the same
                 assert r.num_tokens == 80 and retrieved_is_exact(r, toks)
@@ -100,6 +101,7 @@ def test_disk_full_keeps_serving_and_recovers(tmp_path):
             toks = tokens(99_000, 32)
             client.store(NS, toks, fill_for(toks))
             wait_for(lambda: l2(server)["stats"]["puts"] == puts + 2)  # writes work again
+            assert l2(server)["healthy"] is True
             client.close()
         finally:
             server.stop()
@@ -148,11 +150,13 @@ def test_read_only_directory_keeps_serving_and_recovers(tmp_path):
             toks = tokens(1000, 32)
             assert client.store(NS, toks, fill_for(toks)) == 2
             wait_for(lambda: l2(server)["stats"]["errors"] >= 2)
+            assert l2(server)["healthy"] is False
             with client.retrieve(NS, toks) as r:
                 assert r.num_tokens == 32 and retrieved_is_exact(r, toks)
         toks = tokens(2000, 32)  # the bind mount is gone: writable again
         client.store(NS, toks, fill_for(toks))
         wait_for(lambda: l2(server)["objects"] == 2)
+        assert l2(server)["healthy"] is True
         client.close()
     finally:
         server.stop()

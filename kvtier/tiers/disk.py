@@ -93,6 +93,7 @@ class DiskTier(Tier):
         self._writing: set[bytes] = set()
         self._used = 0  # indexed files plus room reserved by writes in flight
         self._warned_errnos: set[int] = set()
+        self._io_failing = False  # set by an I/O error, cleared by a good write
         self._lock_fd: int | None = self._lock_directory()
         try:
             self.odirect = use_odirect and self._odirect_works()  # False after a fallback
@@ -211,6 +212,7 @@ class DiskTier(Tier):
             self._policy.inserted(key)
             self.stats.puts += 1
             self.stats.put_bytes += len(obj)
+            self._io_failing = False
         return True
 
     def _object_path(self, key: bytes) -> Path:
@@ -381,9 +383,16 @@ class DiskTier(Tier):
         self._used -= self._index.pop(key).size
         self._policy.removed(key)
 
+    @property
+    def healthy(self) -> bool:
+        """False from an I/O error (disk full, read-only, failing) until a write succeeds again.
+        The tier is still used meanwhile: each failure is a counted miss or dropped write."""
+        return not self._io_failing
+
     def _warn_io_error(self, action: str, path: Path, error: OSError) -> None:
         """Warn once per errno: a full or read-only disk fails every put, and the log
         should say so once, not once per chunk."""
+        self._io_failing = True
         if error.errno not in self._warned_errnos:
             self._warned_errnos.add(error.errno)
             logger.warning(
