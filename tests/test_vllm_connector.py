@@ -15,6 +15,7 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -289,7 +290,10 @@ def test_restart_of_vllm_and_server_keeps_disk_hits_then_dead_server_costs_at_mo
         assert server.get("/status")["store"]["promotions"] >= len(DOC_D) // CHUNK
 
         cold = _ask(three, "e1")  # a cold prefill of the same size with the server up, for scale
+        killed = server.proc.pid
         server.kill()
+        for arena in Path("/dev/shm").glob(f"kvtier-{killed}-*"):
+            arena.unlink()  # a killed server cannot remove its shared-memory arena
         before = three.stats()["scheduler"]
         for name in ("d3", "e2"):
             started = time.perf_counter()
