@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-vllm test bench venv clean
+.PHONY: demo demo-transformers test bench venv clean
 
 venv: $(STAMP)
 
@@ -22,10 +22,10 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(VENV)/bin/kvtier demo
-
-demo-vllm: $(STAMP)
 	$(PY) -m kvtier.demo_vllm
+
+demo-transformers: $(STAMP)
+	$(VENV)/bin/kvtier demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -157,3 +157,14 @@ def test_port_in_use_is_a_clear_error(server, tmp_path):
     clash.args[clash.args.index("--port") + 1] = str(server.port)
     out = subprocess.run(clash.args, capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "Address already in use" in out.stderr
+
+
+def test_arena_of_a_killed_server_is_removed_by_the_next_one(server):
+    from kvtier.server.shm import SHM_DIR
+
+    mine = set(SHM_DIR.glob(f"kvtier-{server.proc.pid}-*"))
+    assert len(mine) == 1
+    server.kill()  # no chance to clean up
+    assert all(path.exists() for path in mine)
+    server.start()
+    assert not any(path.exists() for path in mine)

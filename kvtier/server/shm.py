@@ -8,6 +8,7 @@ container without the mount) falls back to sending bytes as message frames.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -23,11 +24,32 @@ NONCE_SIZE = 32
 ARENA_OFFSET = mmap.PAGESIZE  # page 0 holds the nonce; the arena starts at page 1
 
 
+def remove_stale_arenas() -> None:
+    """Delete the arenas of servers that died without cleaning up (SIGKILL, OOM): their files
+    would hold shared memory until reboot. A live server holds a lock on its arena's file (which
+    works across containers sharing /dev/shm, unlike a pid check); a file nobody locks is stale."""
+    for path in SHM_DIR.glob("kvtier-*"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live server holds it
+        else:
+            log.info("removing the arena of a server that is gone: %s", path)
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+
 class SharedArena:
-    def __init__(self, path: Path | None, memory: mmap.mmap, nonce: bytes) -> None:
+    def __init__(self, path: Path | None, memory: mmap.mmap, nonce: bytes, lock_fd: int | None = None) -> None:
         self.path = path
         self.memory = memory
         self.nonce = nonce
+        self._lock_fd = lock_fd  # the creating server's lock on the file
 
     @property
     def arena(self) -> memoryview:
@@ -42,18 +64,22 @@ class SharedArena:
         size = ARENA_OFFSET + capacity
         nonce = secrets.token_bytes(NONCE_SIZE)
         if SHM_DIR.is_dir():
+            remove_stale_arenas()
             stats = os.statvfs(SHM_DIR)
             if stats.f_bavail * stats.f_frsize >= size:
                 path = SHM_DIR / f"kvtier-{os.getpid()}-{secrets.token_hex(6)}"
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)  # held while we live: see remove_stale_arenas
                     os.ftruncate(fd, size)
                     memory = mmap.mmap(fd, size)
-                finally:
+                except BaseException:
                     os.close(fd)
+                    path.unlink(missing_ok=True)
+                    raise
                 prefault(memory)
                 memory[:NONCE_SIZE] = nonce
-                return cls(path, memory, nonce)
+                return cls(path, memory, nonce, lock_fd=fd)
             log.warning("%s has %d bytes free, the L1 arena needs %d: clients will use frames",
                         SHM_DIR, stats.f_bavail * stats.f_frsize, size)
         memory = mmap.mmap(-1, size)
@@ -92,3 +118,6 @@ class SharedArena:
             pass
         if unlink and self.path is not None:
             self.path.unlink(missing_ok=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
