@@ -107,11 +107,11 @@ class BlendForward:
         cos, sin = self.decoder.rotary_emb(hidden, positions[None])
 
         selected = positions  # the tokens that run
-        mask = None  # None: every token runs (causal); else the query blocks of the selected ones
+        blocks = None  # None: every token runs (causal); else the query blocks of the selected ones
         deviation = None
         blend = bool(reused.any())
         if blend and recompute_ratio == 0.0:  # naive reuse: cached tokens never run
-            selected, mask = self._keep(positions, reused, None, dtype=hidden.dtype)
+            selected, blocks = self._keep(positions, reused, None, dtype=hidden.dtype)
             hidden, cos, sin = hidden[:, selected], cos[:, selected], sin[:, selected]
 
         for index, layer in enumerate(self.decoder.layers[:L]):
@@ -123,21 +123,21 @@ class BlendForward:
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
             k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
-            if mask is None:  # every token ran: all of this layer's KV is fresh
+            if blocks is None:  # every token ran: all of this layer's KV is fresh
                 if blend and index == check_layer and recompute_ratio < 1.0:
                     deviation = _deviation(k[0], kv[index, 0], reused)
-                    selected, mask = self._keep(positions, reused, deviation, recompute_ratio, hidden.dtype)
+                    selected, blocks = self._keep(positions, reused, deviation, recompute_ratio, hidden.dtype)
                 kv[index, 0] = k[0]
                 kv[index, 1] = v[0]
                 keys, values = k, v
-                if mask is not None:  # from here on only the selected tokens run
+                if blocks is not None:  # from here on only the selected tokens run
                     q, hidden = q[:, :, selected], hidden[:, selected]
                     cos, sin = cos[:, selected], sin[:, selected]
             else:
                 kv[index, 0, :, selected] = k[0]
                 kv[index, 1, :, selected] = v[0]
                 keys, values = kv[index, 0][None], kv[index, 1][None]
-            out = self._attend(q, keys, values, attn.scaling, mask)
+            out = self._attend(q, keys, values, attn.scaling, blocks)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, hidden.shape[1], -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
