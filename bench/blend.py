@@ -4,9 +4,10 @@ Speed: a system prompt (~270 tokens), 8 documents of about 1k tokens each and a 
 documents in a new shuffled order for every prompt. Every document was seen before (in a warm-up
 prompt, in another order), so its segment KV is cached; prefix-only reuse has the warm-up prompt's
 chunks cached. TTFT is the time from the call to the first token's logits (stores excluded: none
-is needed when every document is cached). Methods run in turn on each order; the best of each. The model is a random 16-layer Llama (hidden 128, 2 query heads, 1 KV head;
-the depth of Llama-3.2-1B, the width of a toy so that 8k-token prefills fit a 2-core CPU): the
-speedup depends on the share of layers after the check layer, not on the weights.
+is needed when every document is cached). Methods run in turn on each order; the best of each
+counts. The model is a random 16-layer Llama (hidden 128, 2 query heads, 1 KV head: the depth of
+Llama-3.2-1B, the width of a toy so that 8k-token prefills fit a 2-core CPU): the speedup depends
+on the share of layers after the check layer, not on the weights.
 
 Quality: the tiny model trained on kvtier.blend.task (docs/blend.md), on held-out prompts of 8
 pages: accuracy of full recompute, naive reuse (0 % recomputed), CacheBlend at 5/15/30 %.
@@ -21,7 +22,6 @@ import json
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 import numpy as np

@@ -8,7 +8,8 @@
 
 See docs/blend.md. Modules: ``segments`` (segment namespace and KV in the store), ``rope``
 (re-rotation of cached keys), ``forward`` (the blended forward loop), ``model`` (``BlendedModel``),
-``task`` and ``train_task_model`` (the tiny trained model that quality is measured with).
+``task``, ``train_task_model`` and ``quality`` (the tiny trained model that quality is measured
+with, and its evaluation).
 """
 
 from kvtier.blend.model import BlendConfig, BlendedModel, BlendResult

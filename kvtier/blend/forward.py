@@ -34,9 +34,8 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 def check_supported(model: Any) -> None:
     config = model.config
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"CacheBlend supports model types {list(SUPPORTED_MODEL_TYPES)}, got {getattr(config, 'model_type', None)!r}"
-        )
+        model_type = getattr(config, "model_type", None)
+        raise ConfigError(f"CacheBlend supports model types {list(SUPPORTED_MODEL_TYPES)}, got {model_type!r}")
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(kind != "full_attention" for kind in layer_types):
         raise ConfigError(f"CacheBlend needs full attention in every layer, got {sorted(set(layer_types))}")
