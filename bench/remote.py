@@ -23,11 +23,10 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-from common import GIB, best_of
+from common import GIB, best_of, best_of_interleaved
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -49,19 +48,6 @@ def make_objects(count: int) -> list[tuple[bytes, bytearray]]:
         payload[:8] = i
         objects.append((key, build_object(key, LAYOUT, TOKENS, payload.data)))
     return objects
-
-
-def compare(repeats: int, setup, runs: dict) -> dict[str, float]:
-    """Best seconds of each of ``runs`` over ``repeats``, each after an untimed ``setup``. The
-    runs take turns, so that a busy neighbour slows kvtier and its reference alike."""
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(repeats):
-        for name, run in runs.items():
-            setup()
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 # -- transfers -------------------------------------------------------------------------------------
@@ -99,10 +85,10 @@ def bench_redis(url: str, objects, repeats: int) -> dict[str, float]:
             assert tier.get_into(key, lambda n: dest[:n]) is not None
 
     total = sum(map(len, payloads))
-    result = compare(repeats, clear, {"raw_put": raw_put, "put": tier_put})
+    result = best_of_interleaved(repeats, clear, raw_put=raw_put, put=tier_put)
     raw_put()
     tier_put()
-    result.update(compare(repeats, lambda: None, {"raw_get": raw_get, "get": tier_get}))
+    result.update(best_of_interleaved(repeats, raw_get=raw_get, get=tier_get))
     clear()
     tier.close()
     raw.close()
@@ -144,10 +130,10 @@ def bench_s3(endpoint_url: str, bucket: str, objects, repeats: int) -> dict[str,
             assert tier.get_into(key, lambda n: dest[:n]) is not None
 
     total = sum(map(len, payloads))
-    result = compare(repeats, clear, {"raw_put": raw_put, "put": tier_put})
+    result = best_of_interleaved(repeats, clear, raw_put=raw_put, put=tier_put)
     raw_put()
     tier_put()
-    result.update(compare(repeats, lambda: None, {"raw_get": raw_get, "get": tier_get}))
+    result.update(best_of_interleaved(repeats, raw_get=raw_get, get=tier_get))
     clear()
     tier.close()
     raw.close()
