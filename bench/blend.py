@@ -12,12 +12,16 @@ on the share of layers after the check layer, not on the weights.
 Quality: the tiny model trained on kvtier.blend.task (docs/blend.md), on held-out prompts of 8
 pages: accuracy of full recompute, naive reuse (0 % recomputed), CacheBlend at 5/15/30 %.
 
+CacheBlend runs with gradual filtering (``--candidate-factor``, default BlendConfig's); the
+"no gradual filter" rows select once, at the check layer (candidate factor 1), for comparison.
+
 Prints the tables, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 from common import best_of_interleaved
+from plotting import add_plot_flag, lines
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -34,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from kvtier.blend import BlendedModel  # noqa: E402
+from kvtier.blend import BlendConfig, BlendedModel  # noqa: E402
 from kvtier.blend.quality import evaluate, load_task_model  # noqa: E402
 from kvtier.integrations.transformers import PrefixCachedModel  # noqa: E402
 from kvtier.store import TieredStore  # noqa: E402
@@ -52,7 +57,7 @@ SPEED_MODEL = {
 DOCS = 8
 
 
-def speed(doc_words: int, repeats: int, ratio: float, check_layer: int) -> dict:
+def speed(doc_words: int, repeats: int, config: BlendConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = build_tiny_model(ROOT / ".cache" / "blend-speed-llama", **SPEED_MODEL)
@@ -73,7 +78,9 @@ def speed(doc_words: int, repeats: int, ratio: float, check_layer: int) -> dict:
         return [system, *(docs[i] for i in order), question]
 
     store = TieredStore(MemoryTier(4 << 30), chunk_size=256)
-    blended = BlendedModel(model, store, model_name="blend-speed-llama")
+    blended = BlendedModel(model, store, model_name="blend-speed-llama", config=config)
+    plain = BlendedModel(model, store, model_name="blend-speed-llama",
+                         config=dataclasses.replace(config, candidate_factor=1.0))
     prefix = PrefixCachedModel(model, store, model_name="blend-speed-llama")
     # warm-up: the first order's documents (segments) and the first order's prompt (prefix chunks)
     blended.prefill(prompt(orders[0]))
@@ -118,10 +125,10 @@ def speed(doc_words: int, repeats: int, ratio: float, check_layer: int) -> dict:
         # PrefixCachedModel: transformers' forward with a DynamicCache, which on CPU falls back to
         # masked attention once a prefix is loaded
         "prefix_cached_model": lambda segments, tokens: prefix.prefill(tokens, store=False),
-        "blend": lambda segments, tokens: blended.prefill(
-            segments, store=False, recompute_ratio=ratio, check_layer=check_layer),
+        "blend": lambda segments, tokens: blended.prefill(segments, store=False),
+        "blend_plain": lambda segments, tokens: plain.prefill(segments, store=False),
         "blend_deeper": lambda segments, tokens: blended.prefill(
-            segments, store=False, recompute_ratio=ratio, check_layer=check_layer + 1),
+            segments, store=False, check_layer=config.check_layer + 1),
         "blend_loop_full": lambda segments, tokens: blended.prefill(segments, store=False, recompute_ratio=1.0),
     }
     runs = {"next_order": next_order, **{name: timed(name, run) for name, run in methods.items()}}
@@ -139,17 +146,38 @@ def speed(doc_words: int, repeats: int, ratio: float, check_layer: int) -> dict:
         "blend_recomputed_tokens": blend.recomputed_tokens,
         "blend_timings": {k: round(v, 4) for k, v in blend.timings.items()},
         "blend_ttft_speedup": best["full"] / best["blend"],
+        "blend_plain_recomputed_tokens": last["blend_plain"].recomputed_tokens,
         "prefix_ttft_speedup": best["full"] / best["prefix"],
         "prefix_ttft_bound": len(current["tokens"]) / (len(current["tokens"]) - last["prefix"]),
     }
 
 
-def quality(size: int, check_layer: int) -> tuple[dict, dict]:
-    """Scores at the given check layer, and at the next one (5/15/30 % only)."""
+def quality(size: int, config: BlendConfig) -> tuple[dict, dict, dict]:
+    """Scores with ``config``, without gradual filtering, and at the next check layer (the last
+    two at 5/15/30 % only)."""
     model = load_task_model()
-    main = evaluate(model, size=size, ratios=(0.0, 0.05, 0.15, 0.30), check_layer=check_layer, by_kind=True)
-    deeper = evaluate(model, size=size, ratios=(0.05, 0.15, 0.30), check_layer=check_layer + 1, by_kind=True)
-    return main, deeper
+    ratios = (0.05, 0.15, 0.30)
+    main = evaluate(model, size=size, ratios=(0.0, *ratios), config=config, by_kind=True)
+    plain = evaluate(model, size=size, ratios=ratios, config=dataclasses.replace(config, candidate_factor=1.0),
+                     by_kind=True)
+    deeper = evaluate(model, size=size, ratios=ratios,
+                      config=dataclasses.replace(config, check_layer=config.check_layer + 1), by_kind=True)
+    return main, plain, deeper
+
+
+def plot(path: str, q: dict, plain: dict, deeper: dict, s: dict, c: int, size: int, ratio: float) -> None:
+    """Accuracy against the share of tokens recomputed (0 %: naive reuse), full recompute as the
+    line to reach; the speed, one number, in the title."""
+    ratios = [0.0, 0.05, 0.15, 0.30]
+    pct = [100 * r for r in ratios]
+    lines(path, {
+        f"CacheBlend, check layer {c}": (pct, [q[r] for r in ratios]),
+        f"check layer {c}, no gradual filter": (pct, [q[0.0]] + [plain[r] for r in ratios[1:]]),
+        f"CacheBlend, check layer {c + 1}": (pct[1:], [deeper[r] for r in ratios[1:]]),
+        "full recompute": ([pct[0], pct[-1]], [q["full"]] * 2),
+    }, title=f"CacheBlend accuracy vs tokens recomputed ({size} prompts)\nTTFT at {ratio:.0%}: "
+             f"{s['blend_ttft_speedup']:.2f}x faster than full recompute",
+        xlabel="tokens recomputed (%)", ylabel="accuracy (fraction of prompts right)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,17 +185,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="documents of ~500 tokens, 3 orders, 200 task prompts")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ratio", type=float, default=0.15, help="recompute ratio for the speed part")
-    parser.add_argument("--check-layer", type=int, default=1)
+    parser.add_argument("--check-layer", type=int, default=BlendConfig.check_layer)
+    parser.add_argument("--candidate-factor", type=float, default=BlendConfig.candidate_factor,
+                        help="gradual filtering: candidates at the check layer, as a multiple of the ratio")
+    add_plot_flag(parser)
     args = parser.parse_args(argv)
+    config = BlendConfig(check_layer=args.check_layer, recompute_ratio=args.ratio,
+                         candidate_factor=args.candidate_factor)
     torch.set_num_threads(args.threads)
     doc_words = 370 if args.quick else 740  # about 1.35 tokens a word
     repeats = 3 if args.quick else 4
     size = 200 if args.quick else 400
 
     c = args.check_layer
-    s = speed(doc_words, repeats, args.ratio, c)
+    f = args.candidate_factor
+    s = speed(doc_words, repeats, config)
     print(f"speed: {s['prompt_tokens']} prompt tokens, 8 documents of ~{sum(s['doc_tokens']) // 8} tokens, "
-          f"{s['layers']}-layer model, recompute ratio {args.ratio:.2f}, best of {repeats} shuffled orders")
+          f"{s['layers']}-layer model, recompute ratio {args.ratio:.2f}, candidate factor {f:g}, "
+          f"best of {repeats} shuffled orders")
     print(f"{'method':<34}{'TTFT s':>10}{'vs full':>10}  reused tokens")
     print(f"{'full recompute':<34}{s['ttft_full_s']:>10.3f}{1.0:>9.2f}x  0")
     print(f"{'prefix-only reuse (blend loop)':<34}{s['ttft_prefix_s']:>10.3f}{s['prefix_ttft_speedup']:>9.2f}x  "
@@ -177,21 +212,27 @@ def main(argv: list[str] | None = None) -> int:
           f"(transformers' masked attention after a loaded prefix)")
     print(f"{f'CacheBlend, check layer {c}':<34}{s['ttft_blend_s']:>10.3f}{s['blend_ttft_speedup']:>9.2f}x  "
           f"{s['blend_reused_tokens']} ({s['blend_recomputed_tokens']} recomputed)")
+    print(f"{'  same, no gradual filter':<34}{s['ttft_blend_plain_s']:>10.3f}"
+          f"{s['ttft_full_s'] / s['ttft_blend_plain_s']:>9.2f}x  {s['blend_reused_tokens']} "
+          f"({s['blend_plain_recomputed_tokens']} recomputed)")
     print(f"{f'CacheBlend, check layer {c + 1}':<34}{s['ttft_blend_deeper_s']:>10.3f}"
           f"{s['ttft_full_s'] / s['ttft_blend_deeper_s']:>9.2f}x  {s['blend_reused_tokens']}")
     print(f"{'blend loop, 100 % recompute':<34}{s['ttft_blend_loop_full_s']:>10.3f}"
           f"{s['ttft_full_s'] / s['ttft_blend_loop_full_s']:>9.2f}x  (control: the loop itself is no faster)")
     print(f"blend timings (s): {s['blend_timings']}")
 
-    q, deeper = quality(size, c)
+    q, plain, deeper = quality(size, config)
     print(f"\nquality: trained task model (4 layers), {size} held-out prompts of 8 pages, half of them "
           f"split-record questions")
     print(f"{'method':<36}{'accuracy':>10}{'split':>8}{'within':>8}")
     rows = [("full recompute", q, "full"), ("naive reuse (0 %)", q, 0.0)]
     rows += [(f"CacheBlend {r:.0%}, check layer {c}", q, r) for r in (0.05, 0.15, 0.30)]
+    rows += [(f"  {r:.0%}, no gradual filter", plain, r) for r in (0.05, 0.15, 0.30)]
     rows += [(f"CacheBlend {r:.0%}, check layer {c + 1}", deeper, r) for r in (0.05, 0.15, 0.30)]
     for label, scores, key in rows:
         print(f"{label:<36}{scores[key]:>10.3f}{scores[f'{key}/split']:>8.3f}{scores[f'{key}/within']:>8.3f}")
+    if args.plot:
+        plot(args.plot, q, plain, deeper, s, c, size, args.ratio)
 
     result = {
         "blend_ttft_speedup": round(s["blend_ttft_speedup"], 3),
@@ -201,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_prefix_s": round(s["ttft_prefix_s"], 4),
         "ttft_prefix_cached_model_s": round(s["ttft_prefix_cached_model_s"], 4),
         "ttft_blend_s": round(s["ttft_blend_s"], 4),
+        "ttft_blend_plain_s": round(s["ttft_blend_plain_s"], 4),
         "ttft_blend_loop_full_s": round(s["ttft_blend_loop_full_s"], 4),
         "prompt_tokens": s["prompt_tokens"],
         "speed_model_layers": s["layers"],
@@ -212,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         "acc_blend_30": q[0.30],
         "acc_split": {"full": q["full/split"], "naive": q["0.0/split"], "blend_15": q["0.15/split"]},
         "check_layer": c,
+        "candidate_factor": f,
+        "acc_blend_15_no_gradual": plain[0.15],
+        "blend_ttft_speedup_no_gradual": round(s["ttft_full_s"] / s["ttft_blend_plain_s"], 3),
         f"acc_blend_15_check{c + 1}": deeper[0.15],
         f"blend_ttft_speedup_check{c + 1}": round(s["ttft_full_s"] / s["ttft_blend_deeper_s"], 3),
         "eval_prompts": size,

@@ -1,14 +1,24 @@
 """The blended forward pass: a Llama forward loop that recomputes only some tokens' KV.
 
     embed ─▶ layers < check: every token, fresh KV ─▶ check layer: fresh K/V of every token,
-    compared with the cached K/V; the most deviating cached tokens (plus every uncached token) are
-    kept ─▶ later layers: only kept tokens run; their fresh K/V overwrite the cached entries; the
-    rest keep their cached K/V ─▶ norm ─▶ lm_head on the last token
+    compared with the cached K/V; the candidates (the ``candidate_factor`` × ``recompute_ratio``
+    share of cached tokens that deviate most, plus every uncached token) keep running ─▶ the next
+    ``filter_layers`` layers: the running tokens' deviation is measured again and the set narrowed,
+    down to ``recompute_ratio`` ─▶ later layers: only the kept tokens run ─▶ norm ─▶ lm_head on
+    the last token. Tokens that run write their fresh K/V over the cached entries; the rest keep
+    their cached K/V.
+
+Gradual filtering (CacheBlend §4.3): one early layer's deviation only roughly predicts which
+tokens deviate deeper down (at the check layer, keys mostly reflect how layer 0 attended, e.g. to
+each segment's first token, its attention sink when made alone), so the check layer keeps a wider
+set and later layers, whose deviations are sharper, pick the final tokens among it. A candidate's
+fresh K/V at the next layer is exact (every earlier layer's KV is fresh), so narrowing there picks
+what a check at that layer would pick among the candidates, for a fraction of its cost.
 
 The loop uses the model's own modules (norms, projections, MLP, rotary embedding), so it computes
 what transformers computes; with every token kept (``recompute_ratio=1``, or nothing cached) it
 matches the model's own forward to float rounding (tests hold it to 1e-5). Attention is
-``scaled_dot_product_attention``: causal over all tokens while all run; once only the kept tokens
+``scaled_dot_product_attention``: causal over all tokens while all run; once only some tokens
 run, in blocks of queries that each see the keys up to their last position, with a position mask
 (key position <= query position).
 
@@ -84,10 +94,13 @@ class BlendForward:
         *,
         check_layer: int = 1,
         recompute_ratio: float = 1.0,
+        candidate_factor: float = 1.0,
+        filter_layers: int = 1,
     ) -> BlendPass:
         """One prefill. ``input_ids`` [tokens]; ``kv`` [layers, 2, kv_heads, tokens, head_dim]
         holds the cached KV (keys already at their positions) where ``reused`` [tokens] is True,
-        anything elsewhere; it is updated in place and returned. Without ``kv`` every token runs."""
+        anything elsewhere; it is updated in place and returned. Without ``kv`` every token runs.
+        ``candidate_factor`` 1 selects once, at the check layer (no gradual filtering)."""
         device = input_ids.device
         n = input_ids.shape[0]
         L, H, D = self.num_layers, self.num_kv_heads, self.head_dim
@@ -95,6 +108,9 @@ class BlendForward:
             raise ConfigError(f"check_layer must be in [0, {L}), got {check_layer}")
         if not 0.0 <= recompute_ratio <= 1.0:
             raise ConfigError(f"recompute_ratio must be in [0, 1], got {recompute_ratio}")
+        if not candidate_factor >= 1.0 or filter_layers < 1:
+            raise ConfigError(f"candidate_factor must be >= 1 and filter_layers >= 1, "
+                              f"got {candidate_factor} and {filter_layers}")
         dtype = self.decoder.embed_tokens.weight.dtype
         if kv is None or reused is None or not bool(reused.any()):
             reused = torch.zeros(n, dtype=torch.bool, device=device)
@@ -109,6 +125,9 @@ class BlendForward:
         blocks = None  # None: every token runs (causal); else the query blocks of the selected ones
         deviation = None
         blend = bool(reused.any())
+        shares = {}  # layer -> share of cached tokens that keep running after it
+        if blend and 0.0 < recompute_ratio < 1.0:
+            shares = filter_schedule(check_layer, L, recompute_ratio, candidate_factor, filter_layers)
         if blend and recompute_ratio == 0.0:  # naive reuse: cached tokens never run
             selected, blocks = self._keep(positions, reused, None, dtype=hidden.dtype)
             hidden, cos, sin = hidden[:, selected], cos[:, selected], sin[:, selected]
@@ -122,20 +141,25 @@ class BlendForward:
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
             k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+            narrowed = None
+            if index in shares:  # the running tokens' deviation here; keep the share that deviates most
+                measured = torch.full((n,), -math.inf, device=device)  # tokens not running: never kept
+                measured[selected] = _deviation(k[0], kv[index, 0, :, selected], reused[selected])
+                if index == check_layer:
+                    deviation = measured
+                narrowed, new_blocks = self._keep(positions, reused, measured, shares[index], hidden.dtype)
             if blocks is None:  # every token ran: all of this layer's KV is fresh
-                if blend and index == check_layer and recompute_ratio < 1.0:
-                    deviation = _deviation(k[0], kv[index, 0], reused)
-                    selected, blocks = self._keep(positions, reused, deviation, recompute_ratio, hidden.dtype)
                 kv[index, 0] = k[0]
                 kv[index, 1] = v[0]
                 keys, values = k, v
-                if blocks is not None:  # from here on only the selected tokens run
-                    q, hidden = q[:, :, selected], hidden[:, selected]
-                    cos, sin = cos[:, selected], sin[:, selected]
             else:
                 kv[index, 0, :, selected] = k[0]
                 kv[index, 1, :, selected] = v[0]
                 keys, values = kv[index, 0][None], kv[index, 1][None]
+            if narrowed is not None:  # from here on only the narrowed tokens run (a subset)
+                rows = torch.isin(selected, narrowed)
+                q, hidden, cos, sin = q[:, :, rows], hidden[:, rows], cos[:, rows], sin[:, rows]
+                selected, blocks = narrowed, new_blocks
             out = self._attend(q, keys, values, attn.scaling, blocks)
             hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, hidden.shape[1], -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
@@ -158,6 +182,17 @@ class BlendForward:
             keep[cached[top]] = True
         selected = positions[keep]
         return selected, _query_blocks(positions, selected, dtype)
+
+
+def filter_schedule(check_layer: int, num_layers: int, ratio: float, factor: float = 1.0,
+                    filter_layers: int = 1) -> dict[int, float]:
+    """Layer -> share of cached tokens that keep running after it: ``factor × ratio`` (at most 1)
+    at the check layer, shrinking geometrically over the next ``filter_layers`` layers (fewer if
+    the model ends first) to exactly ``ratio``. Factor 1: ``ratio`` at the check layer only."""
+    steps = min(filter_layers, num_layers - 1 - check_layer) if factor > 1.0 else 0
+    if not steps:
+        return {check_layer: ratio}
+    return {check_layer + j: min(1.0, ratio * factor ** ((steps - j) / steps)) for j in range(steps + 1)}
 
 
 @dataclass

@@ -8,9 +8,10 @@
 Segments whose KV is cached are reused wherever they appear in the prompt (after another system
 prompt, in another order, next to new documents). Reused KV lacks attention to whatever preceded
 the segment in this prompt; the blended forward restores it for the tokens where it matters most:
-at the check layer it computes every token's fresh K/V, keeps running the ``recompute_ratio``
-share of cached tokens whose K/V deviate most (and every uncached token), and lets the others keep
-their cached KV in later layers (Yao et al., "CacheBlend", EuroSys 2025).
+at the check layer it computes every token's fresh K/V and keeps running the cached tokens whose
+keys deviate most (and every uncached token); the next layer measures their deviation again and
+narrows them to the ``recompute_ratio`` share (gradual filtering); the others keep their cached KV
+in later layers (Yao et al., "CacheBlend", EuroSys 2025).
 
 Uncached segments are computed normally, with full attention to everything before them, and then
 also computed alone at positions 0..n-1 and stored (``store=True``), because that is the KV a later
@@ -23,6 +24,7 @@ The blended KV is not the exact KV of the prompt, so it is never stored under pr
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -41,18 +43,31 @@ __all__ = ["BlendConfig", "BlendResult", "BlendedModel"]
 
 @dataclass(frozen=True)
 class BlendConfig:
-    """``check_layer``: the layer where deviations are measured and tokens selected (layers
-    before it run every token). ``recompute_ratio``: share of cached tokens recomputed from the
-    check layer on; 0 is naive reuse (cached tokens never run), 1 a full recompute."""
+    """``check_layer``: the layer where deviations are first measured (layers before it run every
+    token). ``recompute_ratio``: share of cached tokens recomputed through every later layer; 0 is
+    naive reuse (cached tokens never run), 1 a full recompute. ``candidate_factor``: gradual
+    filtering; the check layer keeps ``candidate_factor × recompute_ratio`` of the cached tokens
+    running, and the next ``filter_layers`` layers narrow them to ``recompute_ratio`` by their
+    deviation there (1: select once, at the check layer)."""
 
     check_layer: int = 1
     recompute_ratio: float = 0.15
+    candidate_factor: float = 3.0
+    filter_layers: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.check_layer, int) or isinstance(self.check_layer, bool) or self.check_layer < 0:
             raise ConfigError(f"check_layer must be a non-negative integer, got {self.check_layer!r}")
-        if not isinstance(self.recompute_ratio, (int, float)) or not 0.0 <= self.recompute_ratio <= 1.0:
+        if not _is_real(self.recompute_ratio) or not 0.0 <= self.recompute_ratio <= 1.0:
             raise ConfigError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio!r}")
+        if not _is_real(self.candidate_factor) or not 1.0 <= self.candidate_factor < math.inf:
+            raise ConfigError(f"candidate_factor must be a finite number >= 1, got {self.candidate_factor!r}")
+        if not isinstance(self.filter_layers, int) or isinstance(self.filter_layers, bool) or self.filter_layers < 1:
+            raise ConfigError(f"filter_layers must be a positive integer, got {self.filter_layers!r}")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -119,9 +134,10 @@ class BlendedModel:
         """Prefill the concatenation of ``segments``, reusing their cached KV (``reuse``) and
         storing the KV of the missing ones (``store``; the last one only if ``cache_last``).
         ``recompute_ratio`` and ``check_layer`` override the configuration for this call."""
-        config = BlendConfig(
-            self.config.check_layer if check_layer is None else check_layer,
-            self.config.recompute_ratio if recompute_ratio is None else recompute_ratio,
+        config = dataclasses.replace(
+            self.config,
+            check_layer=self.config.check_layer if check_layer is None else check_layer,
+            recompute_ratio=self.config.recompute_ratio if recompute_ratio is None else recompute_ratio,
         )
         segments = [_as_token_list(segment) for segment in segments]
         if not segments or not all(segments):
@@ -160,7 +176,8 @@ class BlendedModel:
         t2 = time.perf_counter()
         ids = torch.tensor([t for segment in segments for t in segment], dtype=torch.long, device=device)
         result = self.forward.run(ids, kv, reused.to(device), check_layer=config.check_layer,
-                                  recompute_ratio=config.recompute_ratio)
+                                  recompute_ratio=config.recompute_ratio, candidate_factor=config.candidate_factor,
+                                  filter_layers=config.filter_layers)
         timings["forward"] = time.perf_counter() - t2
 
         t3 = time.perf_counter()

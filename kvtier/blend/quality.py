@@ -39,16 +39,16 @@ def evaluate(
     model: Any,
     size: int = 400,
     ratios: Sequence[float] = (0.0, 0.05, 0.15, 0.30),
-    check_layer: int = 1,
+    config: BlendConfig | None = None,
     by_kind: bool = False,
 ) -> dict:
-    """Accuracy per method: ``"full"`` and one entry per ratio. With ``by_kind``, also
-    ``"<method>/split"`` and ``"<method>/within"``."""
+    """Accuracy per method: ``"full"`` and one entry per ratio (blended with ``config``, whose
+    ratio each entry overrides). With ``by_kind``, also ``"<method>/split"`` and
+    ``"<method>/within"``."""
     examples = task.eval_set(size)
     store = TieredStore(MemoryTier(64 << 20), chunk_size=256)
     try:
-        blended = BlendedModel(model, store, model_name="kvtier-blend-task-model",
-                               config=BlendConfig(check_layer=check_layer))
+        blended = BlendedModel(model, store, model_name="kvtier-blend-task-model", config=config)
         right: dict[Any, list[bool]] = {"full": [], **{ratio: [] for ratio in ratios}}
         for example in examples:
             blended.prefill(example.segments, reuse=False)  # stores every page made alone
