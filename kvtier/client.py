@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkSpan, Namespace, chunk_spans
+from kvtier.keys import ChunkSpan, Namespace, chunk_spans, spans_within
 from kvtier.objects import HEADER_SIZE, object_size, seal
 from kvtier.server import protocol as p
 from kvtier.server.shm import ARENA_OFFSET, SharedArena
@@ -198,7 +198,7 @@ class KvtierClient:
     ) -> Retrieval:
         deadline = time.monotonic() + self.timeout_s
         try:
-            spans = [s for s in self._spans(namespace, tokens, deadline) if max_tokens is None or s.end <= max_tokens]
+            spans = spans_within(self._spans(namespace, tokens, deadline), end=max_tokens)
             keys = [s.key for s in spans]
             with self._lock:  # the arena must not change between the request and reading it
                 request = lambda: p.Retrieve(keys=keys, inline=self._arena is None, arena=self._arena_id)  # noqa: E731
@@ -237,10 +237,19 @@ class KvtierClient:
     ) -> int:
         deadline = time.monotonic() + self.timeout_s
         try:
-            spans = [
-                s for s in self._spans(namespace, tokens, deadline)
-                if s.end > start and (end is None or s.end <= end)
-            ]
+            spans = spans_within(self._spans(namespace, tokens, deadline), start, end)
+        except Unavailable:
+            self.stats.dropped_stores += 1
+            return 0
+        return self._store_spans(namespace, spans, fill, deadline)
+
+    def store_spans(self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn) -> int:
+        """Store these chunks (in order; those cached already are skipped); spans must come from
+        this server's chunk size."""
+        return self._store_spans(namespace, spans, fill, time.monotonic() + self.timeout_s)
+
+    def _store_spans(self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn, deadline: float) -> int:
+        try:
             if not spans:
                 return 0
             for attempt in (1, 2):
@@ -261,7 +270,7 @@ class KvtierClient:
     def _store_shared(self, namespace: Namespace, spans: list[ChunkSpan], fill: FillFn, deadline: float) -> int:
         """Reserve slots, fill them in place, commit: no KV byte crosses the socket."""
         layout = namespace.layout
-        sizes = [object_size(s.num_tokens * layout.bytes_per_token) for s in spans]
+        sizes = [object_size(layout.payload_bytes(s.num_tokens)) for s in spans]
         reply, _ = self._call(p.Reserve(keys=[s.key for s in spans], sizes=sizes, arena=self._arena_id), deadline=deadline)
         memory = memoryview(self._arena.memory)
         slots = [slot for state, slot in zip(reply.states, reply.slots) if state == "slot"]
@@ -287,7 +296,7 @@ class KvtierClient:
         """Build sealed objects in a scratch buffer reused across calls (a fresh buffer per call
         would cost a page fault per 4 KiB) and send them as frames."""
         layout = namespace.layout
-        sizes = [object_size(s.num_tokens * layout.bytes_per_token) for s in spans]
+        sizes = [object_size(layout.payload_bytes(s.num_tokens)) for s in spans]
         with self._lock:
             if len(self._scratch) < sum(sizes):
                 self._scratch = memoryview(mmap.mmap(-1, sum(sizes)))

@@ -21,20 +21,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from kvtier.integrations.vllm.process import kvtier_transfer_config
+from kvtier.integrations.vllm.serve import (
+    MODEL_NAME,
+    free_port,
+    kvtier_server,
+    service_env,
+    stop_all,
+    vllm_server,
+)
 from kvtier.tiny_model import DEFAULT_PATH
 
-MODEL_NAME = "tiny-llama"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -51,107 +56,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--disk-gb", type=float, default=2.0, help="kvtier disk tier size")
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for a server")
     return parser.parse_args(argv)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Service:
-    """A child process in its own session, so Ctrl-C reaches only the demo, which then stops
-    every process of the session (vLLM's API server and its engine process) in order."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path, health: str) -> None:
-        self.name, self.args, self.env, self.log, self.health = name, args, env, log, health
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; end of {self.log}:\n{tail}")
-            try:
-                with urllib.request.urlopen(self.health, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s (log: {self.log})")
-
-    def terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    def wait_or_kill(self, deadline: float) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # whatever is left of the session (a server that ignored SIGTERM, vLLM's engine process)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-
-
-def stop_all(services: list[Service], timeout: float = 15) -> None:
-    """vLLM first (all at once), then the kvtier server, which flushes its disk tier on SIGTERM."""
-    vllms, others = services[:-1], services[-1:]
-    for group in (vllms, others):
-        for service in group:
-            service.terminate()
-        deadline = time.monotonic() + timeout
-        for service in group:
-            service.wait_or_kill(deadline)
-
-
-def _env(cache: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        VLLM_CACHE_ROOT=str(cache / "vllm"), XDG_CACHE_HOME=str(cache / "xdg"),
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-        VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-    )
-    # two vLLM servers side by side: vLLM would pin both to the same cores; let the OS place them
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("OMP_NUM_THREADS", "1" if (os.cpu_count() or 1) <= 4 else str((os.cpu_count() or 2) // 2))
-    return env
-
-
-def _vllm(name: str, model: Path, port: int, env: dict, logs: Path, kvtier_url: str | None,
-          max_model_len: int = 16384, cache_blocks: int | None = None, bytes_per_block: int = 0) -> Service:
-    # ``vllm serve`` as a module: vllm-cpu 0.32's ``vllm`` command looks up the distribution
-    # "vllm" for --version and fails (the distribution is "vllm-cpu"); the server is the same.
-    args = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]
-    if cache_blocks is not None:
-        args += ["--num-gpu-blocks-override", str(cache_blocks),
-                 "--kv-cache-memory-bytes", str(cache_blocks * bytes_per_block)]
-    if kvtier_url:
-        args += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"kvtier.url": kvtier_url},
-        })]
-    return Service(name, args, env, logs / f"{name}.log", f"http://127.0.0.1:{port}/health")
 
 
 def _ask(client, prompt: str, max_tokens: int) -> dict:
@@ -208,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)  # start cold, every run
     logs.mkdir(parents=True)
     model = build_tiny_model(cache / "tiny-llama")
-    env = _env(cache)
+    env = service_env(cache)
 
     from tokenizers import Tokenizer
 
@@ -225,16 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         * DEFAULT_CONFIG["head_dim"] * 4
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
 
-    kv_port, kv_http = _free_port(), _free_port()
-    port_a, port_b = _free_port(), _free_port()
-    kvtier = Service("kvtier-server", [
-        sys.executable, "-m", "kvtier.cli", "server", "--port", str(kv_port), "--http-port", str(kv_http),
-        "--l1-size-gb", str(args.l1_gb), "--chunk-size", "256",
+    kv_port, kv_http = free_port(), free_port()
+    port_a, port_b = free_port(), free_port()
+    kvtier = kvtier_server(
+        kv_port, kv_http, env, logs, "--l1-size-gb", str(args.l1_gb), "--chunk-size", "256",
         "--l2-adapter", json.dumps({"type": "fs", "base_path": str(disk), "max_capacity_gb": args.disk_gb}),
-    ], env, logs / "kvtier-server.log", f"http://127.0.0.1:{kv_http}/healthcheck")
+    )
     sizing = dict(max_model_len=max_model_len, cache_blocks=cache_blocks, bytes_per_block=bytes_per_block)
-    alone = _vllm("vllm-alone", model, port_a, env, logs, None, **sizing)
-    with_kvtier = _vllm("vllm-kvtier", model, port_b, env, logs, f"tcp://127.0.0.1:{kv_port}", **sizing)
+    alone = vllm_server("vllm-alone", model, port_a, env, logs, None, **sizing)
+    connector = kvtier_transfer_config({"kvtier.url": f"tcp://127.0.0.1:{kv_port}"})
+    with_kvtier = vllm_server("vllm-kvtier", model, port_b, env, logs, connector, **sizing)
     services = [alone, with_kvtier, kvtier]  # the kvtier server last
     clients = {name: OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo", max_retries=0, timeout=300)
                for name, port in (("alone", port_a), ("kvtier", port_b))}

@@ -113,3 +113,9 @@ def chunk_spans(
         previous = h.digest(KEY_SIZE)
         spans.append(ChunkSpan(previous, start, end))
     return spans
+
+
+def spans_within(spans: Sequence[ChunkSpan], start: int = 0, end: int | None = None) -> list[ChunkSpan]:
+    """The spans that end after ``start`` and no later than ``end`` (the chunks a store or a
+    retrieve limited to that range covers)."""
+    return [s for s in spans if s.end > start and (end is None or s.end <= end)]

@@ -65,6 +65,13 @@ class KVLayout:
         """KV bytes of one token over all layers (keys and values)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
 
+    def payload_bytes(self, num_tokens: int) -> int:
+        """Raw KV bytes of an object of ``num_tokens`` tokens: whole blocks, because an engine
+        copies whole pages of ``block_size`` tokens (a prompt's last, partial block is stored as
+        its whole page; the slots past the prompt are never read)."""
+        blocks = -(-num_tokens // self.block_size)
+        return blocks * self.block_size * self.bytes_per_token
+
     def canonical_bytes(self) -> bytes:
         """A stable encoding of every field: sorted JSON, so field order never matters."""
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()

@@ -134,7 +134,7 @@ def build_object(
     key: bytes, layout: KVLayout, num_tokens: int, payload: bytes | memoryview, codec: str = "raw"
 ) -> bytearray:
     """A new buffer holding a whole object for a raw payload, encoded with ``codec``."""
-    expected = num_tokens * layout.bytes_per_token
+    expected = layout.payload_bytes(num_tokens)
     raw = memoryview(payload).cast("B")
     if len(raw) != expected:
         raise ValueError(f"payload is {len(raw)} bytes, {num_tokens} tokens of this layout need {expected}")
@@ -198,7 +198,7 @@ def open_object(
 def decode_payload(buf: bytes | memoryview, key: bytes, layout: KVLayout, verify_checksum: bool = True) -> memoryview:
     """The raw KV payload of an object, checked and decoded."""
     header, stored = open_object(buf, key, layout, verify_checksum)
-    raw_size = header.num_tokens * layout.bytes_per_token
+    raw_size = layout.payload_bytes(header.num_tokens)
     raw = memoryview(codec_by_id(header.codec_id).decode(stored, header.dtype, raw_size)).cast("B")
     if len(raw) != raw_size:
         raise LayoutMismatch(f"payload decodes to {len(raw)} bytes, {header.num_tokens} tokens need {raw_size}")

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvtier.errors import ObjectError
-from kvtier.keys import ChunkSpan, Namespace, chunk_spans
+from kvtier.keys import ChunkSpan, Namespace, chunk_spans, spans_within
 from kvtier.layout import KVLayout
 from kvtier.objects import HEADER_SIZE, decode_payload, object_size, seal
 from kvtier.tiers.base import Tier
@@ -32,7 +32,7 @@ from kvtier.tiers.memory import Lease, MemoryTier, Reservation
 
 log = logging.getLogger(__name__)
 
-#: Fills ``dest`` (exactly ``span.num_tokens * layout.bytes_per_token`` bytes) with the raw KV of
+#: Fills ``dest`` (exactly ``layout.payload_bytes(span.num_tokens)`` bytes) with the raw KV of
 #: the tokens ``span`` covers.
 FillFn = Callable[[ChunkSpan, memoryview], None]
 
@@ -94,7 +94,7 @@ def payload_chunks(
     for span, obj, verify_checksum in zip(spans, objects, verify):
         try:
             payload = decode_payload(obj, span.key, layout, verify_checksum)
-            if len(payload) != span.num_tokens * layout.bytes_per_token:
+            if len(payload) != layout.payload_bytes(span.num_tokens):
                 raise ObjectError(f"object holds {len(payload)} bytes, its {span.num_tokens} tokens need more or less")
         except ObjectError as exc:
             log.error("refusing object %s: %s", span.key.hex()[:16], exc)
@@ -215,7 +215,7 @@ class TieredStore:
     ) -> Retrieval:
         """The longest contiguous cached prefix of ``tokens`` (up to ``max_tokens``) as raw KV,
         checked against the namespace's layout. Use as a context manager."""
-        spans = [s for s in self.spans(namespace, tokens) if max_tokens is None or s.end <= max_tokens]
+        spans = spans_within(self.spans(namespace, tokens), end=max_tokens)
         leases = self.acquire([span.key for span in spans])
         # L1 holds objects sealed here or checked on the way in: the header check is enough.
         chunks = payload_chunks(spans, [lease.view for lease in leases], namespace.layout, [False] * len(leases))
@@ -233,17 +233,18 @@ class TieredStore:
         """Store the chunks of ``tokens`` that end after ``start`` and no later than ``end``
         (default: all, with the last partial chunk) and are not cached yet. ``fill`` writes a
         chunk's raw KV straight into its L1 slot. Returns the number of chunks stored."""
+        return self.store_spans(namespace, spans_within(self.spans(namespace, tokens), start, end), fill)
+
+    def store_spans(self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn) -> int:
+        """Store these chunks (in order; those cached already are skipped)."""
         layout = namespace.layout
         stored = 0
-        spans = self.spans(namespace, tokens)
         present = self.l1.contains([s.key for s in spans])
         for span, in_l1 in zip(spans, present):
-            if span.end <= start or (end is not None and span.end > end):
-                continue
             if in_l1:
                 self.stats.skipped_chunks += 1
                 continue
-            reservation = self.reserve(span.key, object_size(span.num_tokens * layout.bytes_per_token))
+            reservation = self.reserve(span.key, object_size(layout.payload_bytes(span.num_tokens)))
             if reservation is None:
                 if self.l1.contains([span.key])[0]:
                     self.stats.skipped_chunks += 1

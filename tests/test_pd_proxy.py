@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
 from kvtier.disagg.proxy import create_app, prefill_request
 from kvtier_processes import free_port
 
@@ -19,7 +20,7 @@ from kvtier_processes import free_port
 class Upstream:
     """A stand-in engine that records what it was asked and answers like vLLM would."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, connector: bool = True) -> None:
         self.name = name
         self.seen: list[dict] = []
         self.port = free_port()
@@ -35,7 +36,10 @@ class Upstream:
                         yield f"data: {json.dumps({'choices': [{'text': word}], 'from': self.name})}\n\n"
                     yield "data: [DONE]\n\n"
                 return StreamingResponse(events(), media_type="text/event-stream")
-            return {"choices": [{"text": "ab"}], "from": self.name}
+            answer = {"choices": [{"text": "ab"}], "from": self.name}
+            if connector and (body.get("kv_transfer_params") or {}).get(PREFILL_PARAM):
+                answer["kv_transfer_params"] = {PREFILLED_PARAM: len(body["prompt"])}
+            return answer
 
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -79,7 +83,18 @@ def proxy_of():
 def test_prefill_request_asks_for_one_token_without_streaming():
     body = {"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True},
             "max_completion_tokens": 50, "temperature": 0}
-    assert prefill_request(body) == {"prompt": "x", "max_tokens": 1, "max_completion_tokens": 1, "temperature": 0}
+    assert prefill_request(body) == {"prompt": "x", "max_tokens": 1, "max_completion_tokens": 1, "temperature": 0,
+                                     "kv_transfer_params": {PREFILL_PARAM: True}}
+
+
+@pytest.mark.parametrize("connector", [True, False])
+def test_the_decoder_gets_what_the_prefill_instance_saved(proxy_of, connector):
+    with Upstream("p", connector=connector) as p, Upstream("d") as d:
+        url, _ = proxy_of([p.url], [d.url])
+        assert httpx.post(url + "/v1/completions", json={"prompt": "four", "max_tokens": 8}).status_code == 200
+        assert p.seen[0]["kv_transfer_params"] == {PREFILL_PARAM: True}
+        expected = {PREFILLED_PARAM: 4} if connector else None
+        assert d.seen[0].get("kv_transfer_params") == expected and d.seen[0]["max_tokens"] == 8
 
 
 def test_requests_go_to_prefill_then_decode_round_robin(proxy_of):

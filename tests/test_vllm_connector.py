@@ -82,6 +82,19 @@ def test_connector_config_errors_name_the_key(extra, message):
     assert message in str(info.value)
 
 
+def test_connector_roles():
+    assert parse_extra_config({}, "kv_producer").save and not parse_extra_config({}, "kv_producer").load
+    assert parse_extra_config({}, "kv_consumer").load and not parse_extra_config({}, "kv_consumer").save
+    both = parse_extra_config({"kvtier.prefill_wait_s": 0.5}, "kv_both")
+    assert both.load and both.save and both.prefill_wait_s == 0.5
+    with pytest.raises(ConfigError, match="kv_role must be one of"):
+        parse_extra_config({}, "kv_sideways")
+    with pytest.raises(ConfigError, match="unknown kvtier connector keys"):
+        parse_extra_config({"kvtier.role": "kv_producer"})  # the role is vLLM's kv_role, not a kvtier key
+    with pytest.raises(ConfigError, match="prefill_wait_s"):
+        parse_extra_config({"kvtier.prefill_wait_s": -1})
+
+
 def test_connector_config_modes():
     server = parse_extra_config({"kvtier.url": "tcp://127.0.0.1:5555", "kvtier.timeout_s": 0.25})
     assert server.server_mode and server.timeout_s == 0.25
@@ -103,6 +116,29 @@ def test_connector_keeps_numba_out_of_vllm_processes():
 
 
 # -- pages and payloads, no engine ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length, expected", [
+    (40, [(0, 40)]),  # shorter than a block: the tail alone
+    (300, [(0, 256), (256, 300)]),  # the last chunk holds no whole block: the tail alone
+    (420, [(0, 256), (256, 384), (256, 420)]),  # the partial chunk of whole blocks, then the tail
+    (512, [(0, 256), (256, 512)]),  # ends on a chunk boundary
+    (640, [(0, 256), (256, 512), (512, 640)]),  # ends on a block boundary: the partial chunk is the tail
+])
+def test_save_spans_store_the_prompt_tail_and_the_whole_blocks_before_it(length, expected):
+    from kvtier.integrations.vllm.common import save_spans
+    from kvtier.keys import Namespace, chunk_spans
+    from kvtier.layout import KVLayout
+
+    import numpy as np
+
+    ns = Namespace("m", KVLayout(2, 2, 32, "float32", block_size=BLOCK))
+    tokens = np.asarray(_tokens(9, length), dtype=np.uint32)
+    spans = save_spans(ns, tokens, CHUNK, BLOCK)
+    assert [(s.start, s.end) for s in spans] == expected
+    # every key is the one a lookup of that prefix walks to
+    assert all(s.key == chunk_spans(ns, tokens[: s.end], CHUNK)[-1].key for s in spans)
+    assert ns.layout.payload_bytes(40) == BLOCK * ns.layout.bytes_per_token  # a partial page is a whole page
 
 
 def _paged(num_blocks: int = 64, layers: int = 3):
@@ -260,6 +296,9 @@ def test_partial_last_chunk_is_stored_and_hit(engines, reference):
     longer = _ask(one, "b_long")  # the document's last 128 tokens are a partial chunk in the cache
     assert longer["num_cached_tokens"] == len(DOC_B)
     assert_same(longer, reference["b_long"], "b_long")
+    again = _ask(one, "b1")  # the same prompt: its tail (a partly filled last page) was stored too
+    assert again["num_cached_tokens"] == len(PROMPTS["b1"]) - 1
+    assert_same(again, reference["b1"], "b1 again")
 
 
 @pytest.mark.vllm
@@ -309,8 +348,8 @@ def test_restart_of_vllm_and_server_keeps_disk_hits_then_dead_server_costs_at_mo
 
         server.start()  # back: the engine's clients reconnect by themselves after their backoff
         time.sleep(2.5)
-        out = _ask(three, "d1")
-        assert out["num_cached_tokens"] == len(DOC_D), out
+        out = _ask(three, "d1")  # asked before the restart: its tail was stored too
+        assert out["num_cached_tokens"] == len(PROMPTS["d1"]) - 1, out
         assert_same(out, reference["d1"], "d1 once the server is back")
 
 

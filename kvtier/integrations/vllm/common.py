@@ -12,9 +12,13 @@ block of one layer). Whole pages are copied, never single tokens, so the interio
 arrangement name says which engine, device and layout the pages come from, so pages of one
 backend are never handed to another.
 
-Only whole blocks are cached: a prompt is cached up to its last full block, and the last chunk
-of that prefix may be partial (a multiple of the block size, shorter than a chunk). A load
-covers whole blocks too, and always leaves at least the prompt's last token to compute.
+A prompt is cached whole. Its full chunks are objects of ``chunk_size`` tokens; where it ends
+inside a chunk, two more objects may be stored: the **partial chunk** up to the prompt's last
+full block (a later prompt that continues this one reuses it) and the **tail**, up to the
+prompt's last token, whose last page is only partly filled (the same prompt again, or a decode
+instance after a prefill instance, then computes one token). A load copies whole pages and
+always leaves the prompt's last token to compute: vLLM writes that slot, and the slots past it,
+in the forward pass after the load.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
+from kvtier.keys import ChunkSpan, Namespace, chunk_spans
 from kvtier.layout import DTYPE_SIZES, KVLayout
 
 if TYPE_CHECKING:
@@ -164,9 +168,20 @@ class NamespaceCache:
         return ns
 
 
-def cacheable_length(num_tokens: int, block_size: int) -> int:
-    """Tokens of a prompt that kvtier caches: its whole blocks."""
-    return num_tokens // block_size * block_size
+def pages(num_tokens: int, block_size: int) -> int:
+    """vLLM blocks (pages) that hold ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+def save_spans(ns: Namespace, tokens: np.ndarray, chunk: int, block_size: int) -> list[ChunkSpan]:
+    """The objects a save of ``tokens`` stores, in order: its chunks, and where it ends inside a
+    block, the partial chunk of its whole blocks before the tail chunk (both start at the last
+    chunk boundary)."""
+    spans = chunk_spans(ns, tokens, chunk)
+    whole = len(tokens) // block_size * block_size
+    if spans and spans[-1].start < whole < len(tokens):
+        spans.insert(-1, chunk_spans(ns, tokens[:whole], chunk)[-1])
+    return spans
 
 
 # -- scheduler -> worker, every step --------------------------------------------------------------
@@ -192,7 +207,7 @@ class SaveJob:
 
     req_id: ReqId
     scope: RequestScope
-    tokens: np.ndarray  # uint32, ends on a chunk boundary or at the cacheable end of the prompt
+    tokens: np.ndarray  # uint32, ends on a chunk boundary or at the end of the prompt
     start: int
     block_ids: list[int]
     job_id: int = 0

@@ -13,7 +13,7 @@ type or range, or a key that means nothing in the chosen mode is a ConfigError n
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -23,6 +23,7 @@ from kvtier.errors import ConfigError
 PREFIX = "kvtier."
 
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 
 class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -39,10 +40,12 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     l1_eviction_policy: EvictionPolicyName = "LRU"
     l2_adapters: list[AdapterConfig] = []
     # -- both
-    load: bool = True
-    """Load cached KV into vLLM (off: a store-only producer)."""
-    save: bool = True
-    """Store the KV vLLM computes (off: a read-only consumer)."""
+    role: KVRole = "kv_both"
+    """vLLM's ``kv_role`` (not a ``kvtier.*`` key): ``kv_producer`` stores and never loads (a
+    prefill instance), ``kv_consumer`` loads and never stores (a decode instance), ``kv_both``."""
+    prefill_wait_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 5.0
+    """Longest a request prefilled by another instance (``pd-proxy`` says so) waits for that
+    instance's KV to reach the cache; then it is computed here (counted)."""
     save_buffer_gb: Annotated[float, msgspec.Meta(gt=0, le=1024)] = 0.5
     """Staging memory per worker for KV on its way to the cache (preallocated); a save that does
     not fit is dropped (counted), never waited for."""
@@ -55,6 +58,14 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def server_mode(self) -> bool:
         return self.url is not None
 
+    @property
+    def load(self) -> bool:
+        return self.role != "kv_producer"
+
+    @property
+    def save(self) -> bool:
+        return self.role != "kv_consumer"
+
     def store_config(self) -> StoreConfig:
         """The embedded store's config."""
         return StoreConfig(
@@ -64,13 +75,15 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         )
 
 
-_FIELDS = set(ConnectorConfig.__struct_fields__)
+_FIELDS = set(ConnectorConfig.__struct_fields__) - {"role"}
 _EMBEDDED_ONLY = {"chunk_size", "l1_size_gb", "l1_eviction_policy", "l2_adapters"}
 _SERVER_ONLY = {"timeout_s", "shared_memory"}
 
 
-def parse_extra_config(extra: dict[str, Any] | None) -> ConnectorConfig:
-    """``kv_connector_extra_config`` to a ConnectorConfig, or ConfigError."""
+def parse_extra_config(extra: dict[str, Any] | None, role: str | None = "kv_both") -> ConnectorConfig:
+    """``kv_connector_extra_config`` and vLLM's ``kv_role`` to a ConnectorConfig, or ConfigError."""
+    if role not in KVRole.__args__:
+        raise ConfigError(f"kv_role must be one of {list(KVRole.__args__)} for the kvtier connector, got {role!r}")
     extra = dict(extra or {})
     unprefixed = sorted(k for k in extra if not k.startswith(PREFIX))
     if unprefixed:
@@ -87,6 +100,6 @@ def parse_extra_config(extra: dict[str, Any] | None) -> ConnectorConfig:
                if server else f"they only apply in server mode ({PREFIX}url)")
         raise ConfigError(f"{misplaced} cannot be used here: {why}")
     try:
-        return convert(data, ConnectorConfig)
+        return convert({**data, "role": role}, ConnectorConfig)
     except ConfigError as exc:
         raise ConfigError(f"kvtier connector config: {str(exc).replace('$.', PREFIX)}") from None

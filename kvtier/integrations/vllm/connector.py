@@ -43,15 +43,16 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.config: ConnectorConfig = parse_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        transfer = self._kv_transfer_config
+        self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config, transfer.kv_role)
         engine = engine_layout(vllm_config, kv_cache_config)
         if not self.config.server_mode:
             _check_embedded(vllm_config)
-        if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
+        if role == KVConnectorRole.SCHEDULER and transfer.kv_load_failure_policy != "recompute":
             log.warning(
                 "kvtier: kv_load_failure_policy is %r; set it to \"recompute\" in --kv-transfer-config so that"
                 " a cached chunk evicted (or a server lost) between lookup and load is recomputed, not an error",
-                self._kv_transfer_config.kv_load_failure_policy,
+                transfer.kv_load_failure_policy,
             )
         self.connector_scheduler = None
         self.connector_worker = None
@@ -66,8 +67,8 @@ class KvtierConnector(KVConnectorBase_V1):
             elif chunk % engine.block_size:
                 raise ConfigError(f"kvtier chunk size {chunk} is not a multiple of vLLM's block size {engine.block_size}")
             log.info(
-                "kvtier connector (scheduler): %s mode, layout %s, %d layers, block %d, chunk %s",
-                "server " + self.config.url if self.config.server_mode else "embedded",
+                "kvtier connector (scheduler): %s, %s mode, layout %s, %d layers, block %d, chunk %s",
+                self.config.role, "server " + self.config.url if self.config.server_mode else "embedded",
                 engine.arrangement, len(engine.layer_names), engine.block_size, chunk,
             )
         elif role == KVConnectorRole.WORKER:
@@ -136,8 +137,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self.connector_scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self.connector_scheduler.request_finished(request)
-        return False, None  # saves copy KV out in the step that computed it: the blocks are free now
+        # saves copy KV out in the step that computed it: the blocks are free now
+        return False, self.connector_scheduler.request_finished(request)
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:

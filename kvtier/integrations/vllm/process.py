@@ -58,12 +58,12 @@ def engine_env(cache_root: Path | None = None, threads: int | None = 1, kv_cache
     return env
 
 
-def kvtier_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """A ``--kv-transfer-config`` for KvtierConnector with these ``kvtier.*`` keys."""
+def kvtier_transfer_config(extra: dict[str, Any], role: str = "kv_both") -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for KvtierConnector with these ``kvtier.*`` keys and role."""
     return {
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
-        "kv_role": "kv_both",
+        "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
@@ -149,8 +149,9 @@ class EngineProcess:
         return self._reply(timeout)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 1, logprobs: int | None = None,
-                 timeout: float = 300) -> list[dict]:
-        return self.call("generate", timeout, prompts=prompts, max_tokens=max_tokens, logprobs=logprobs)["outputs"]
+                 timeout: float = 300, kv_transfer_params: dict | None = None) -> list[dict]:
+        return self.call("generate", timeout, prompts=prompts, max_tokens=max_tokens, logprobs=logprobs,
+                         kv_transfer_params=kv_transfer_params)["outputs"]
 
     def drain(self, timeout: float = 60) -> dict:
         """Wait until the connector's queued saves are done; returns its stats."""
@@ -244,8 +245,9 @@ def _generate(llm, args: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    extra = {"kv_transfer_params": args["kv_transfer_params"]} if args.get("kv_transfer_params") else None
     params = SamplingParams(max_tokens=args.get("max_tokens", 1), temperature=0.0, logprobs=args.get("logprobs"),
-                            ignore_eos=True)
+                            ignore_eos=True, extra_args=extra)
     outputs = []
     for prompt in args["prompts"]:
         started = time.perf_counter()
@@ -261,6 +263,7 @@ def _generate(llm, args: dict) -> dict:
             "num_cached_tokens": result.num_cached_tokens or 0,
             "num_prompt_tokens": len(prompt),
             "latency_s": latency,
+            "kv_transfer_params": result.kv_transfer_params,
         })
     return {"outputs": outputs}
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvtier.keys import ChunkSpan, chunk_spans
-from kvtier.integrations.vllm.common import SaveJob
+from kvtier.keys import ChunkSpan
+from kvtier.integrations.vllm.common import SaveJob, pages, save_spans
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.backend import Backend
@@ -78,7 +78,8 @@ class StagingRing:
 @dataclass
 class _Staged:
     job: SaveJob
-    offsets: dict[int, tuple[int, int]]  # chunk start token -> (ring offset, bytes)
+    spans: list[ChunkSpan]
+    offsets: dict[bytes, tuple[int, int]]  # chunk key -> (ring offset, bytes)
 
 
 class Saver:
@@ -104,24 +105,24 @@ class Saver:
         if chunk is None or self._closed:  # the server was never reached: nothing to store into
             return self._drop(job)
         ns = worker.namespaces.get(worker.tp_rank, job.scope)
-        spans = [s for s in chunk_spans(ns, job.tokens, chunk) if s.end > job.start]
+        spans = [s for s in save_spans(ns, job.tokens, chunk, bs) if s.end > job.start]
         if not spans:
             return self._finished(job)
         page_bytes = worker.pages.page_bytes * len(worker.pages.layers)
-        total = sum(s.num_tokens // bs for s in spans) * page_bytes
+        total = sum(pages(s.num_tokens, bs) for s in spans) * page_bytes
         base = self.ring.allocate(total)
         if base is None:
             return self._drop(job)
         offsets, offset = {}, base
         for span in spans:
-            size = span.num_tokens // bs * page_bytes
+            size = pages(span.num_tokens, bs) * page_bytes
             first = span.start // bs
-            worker.pages.gather(job.block_ids[first : first + span.num_tokens // bs], self.ring.view(offset, size))
-            offsets[span.start] = (offset, size)
+            worker.pages.gather(job.block_ids[first : first + pages(span.num_tokens, bs)], self.ring.view(offset, size))
+            offsets[span.key] = (offset, size)
             offset += size
         worker.pages.synchronize()
         with self._cond:
-            self._queue.append(_Staged(job, offsets))
+            self._queue.append(_Staged(job, spans, offsets))
             self._cond.notify_all()
         worker.stats.stage_s += time.perf_counter() - started
 
@@ -171,10 +172,10 @@ class Saver:
         ns = worker.namespaces.get(worker.tp_rank, job.scope)
 
         def fill(span: ChunkSpan, dest: memoryview) -> None:
-            offset, size = staged.offsets[span.start]
+            offset, size = staged.offsets[span.key]
             dest[:size] = self.ring.view(offset, size)
 
-        stored = self.backend.cache.store(ns, job.tokens, fill, start=job.start)
+        stored = self.backend.cache.store_spans(ns, staged.spans, fill)
         worker.stats.saves += 1
         worker.stats.saved_chunks += stored or 0
         worker.stats.save_s += time.perf_counter() - started

@@ -8,13 +8,22 @@ It never touches KV; it decides what each step's workers load and save.
     update_connector_output      which save jobs the workers have finished
     request_finished             forget the request
 
-The lookup covers the prompt's whole blocks (``common.cacheable_length``). It walks full chunks
-first; where that walk stops, a partial chunk (a shorter prefix, stored when an earlier prompt
-ended there) is tried too. A load always leaves at least the prompt's last token to compute, and
-ends on a block boundary. When the next chunk of a prompt is being saved right now by an earlier
-request and most of the prompt would otherwise be computed again, the lookup answers "not yet"
-(None) and vLLM asks again next step, so a burst of requests with one long shared prefix computes
-it once.
+The lookup walks the prompt's chunks (the last one ends with the prompt: the tail a prefill
+instance or an identical earlier prompt stored); where that walk stops, a partial chunk (a
+shorter prefix of whole blocks, stored when an earlier prompt ended there) is tried too. A load
+always leaves the prompt's last token to compute. The lookup answers "not yet" (None), and vLLM
+asks again next step, in two cases:
+
+- the next chunk of the prompt is being saved right now by an earlier request and most of the
+  prompt would otherwise be computed again: a burst of requests with one long shared prefix
+  computes it once;
+- the request was prefilled by another instance (``kv_transfer_params`` from ``pd-proxy`` carry
+  ``kvtier_prefilled_tokens``) and its KV has not reached the cache yet: it waits up to
+  ``prefill_wait_s``, then what is missing is computed here (``prefill_wait_timeouts``).
+
+Roles: a ``kv_producer`` never looks up, a ``kv_consumer`` never saves. A request that arrives
+with ``kv_transfer_params: {"kvtier_prefill": true}`` finishes with ``kvtier_prefilled_tokens``,
+the prompt tokens it saved, in its own ``kv_transfer_params`` (for the proxy to hand on).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
 from kvtier.keys import chunk_spans
 from kvtier.integrations.vllm.backend import Backend
 from kvtier.integrations.vllm.common import (
@@ -38,8 +48,9 @@ from kvtier.integrations.vllm.common import (
     ReqId,
     RequestScope,
     SaveJob,
-    cacheable_length,
+    pages,
     request_scope,
+    save_spans,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
 
@@ -49,6 +60,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
+
+#: Least time between two lookups of a request that waits (vLLM asks every millisecond or so).
+WAIT_POLL_S = 0.005
 
 
 @dataclass
@@ -63,9 +77,17 @@ class _Lookup:
 @dataclass
 class _Tracked:
     scope: RequestScope
-    tokens: np.ndarray  # the cacheable prompt tokens, uint32
+    tokens: np.ndarray  # the prompt tokens, uint32
     saved_upto: int  # tokens known stored in kvtier or covered by a save job
     save_jobs: int = 0
+
+
+@dataclass
+class _Waiting:
+    """A request whose KV another instance is saving: since when, and when last looked up."""
+
+    since: float
+    last_lookup: float
 
 
 @dataclass
@@ -81,6 +103,9 @@ class SchedulerStats:
     hit_tokens: int = 0
     load_tokens: int = 0
     deferred: int = 0  # lookups answered "not yet": the next chunk was being saved
+    prefill_waits: int = 0  # requests prefilled elsewhere whose KV was found (waited for or not)
+    prefill_wait_timeouts: int = 0  # ... whose KV did not arrive in time: computed here
+    prefill_wait_s: float = 0.0  # total time those requests waited
     save_jobs: int = 0
     lookup_s: float = 0.0
     hits_by_tier: Counter = field(default_factory=Counter)  # loaded chunks by the tier that held them
@@ -105,6 +130,7 @@ class KvtierScheduler:
         self._block_ids_of = block_ids_of
         self._lookups: dict[ReqId, _Lookup] = {}
         self._requests: dict[ReqId, _Tracked] = {}
+        self._waiting: dict[ReqId, _Waiting] = {}
         self._loads: list[LoadJob] = []
         self._next_job = 1
         self._in_flight: dict[int, _InFlight] = {}
@@ -149,28 +175,52 @@ class KvtierScheduler:
         if known is not None and known.num_computed == num_computed_tokens:
             return known.load, False
         prompt = request.prompt_token_ids
-        cacheable = cacheable_length(len(prompt), self.block_size)
-        if cacheable <= num_computed_tokens:
+        if len(prompt) - 1 <= num_computed_tokens:
             # vLLM's own cache holds the whole prompt: it was stored when it was computed
-            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, 0, [], cacheable)
+            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, 0, [], len(prompt))
             return 0, False
         chunk = self._chunk_size_or_connect()
         if chunk is None:
             return 0, False
-        tokens = np.asarray(prompt[:cacheable], dtype=np.uint32)
+        expected = _prefilled_tokens(request)
+        waiting = self._waiting.get(request.request_id) if expected else None
+        now = time.monotonic()
+        if waiting is not None and now - waiting.last_lookup < WAIT_POLL_S:
+            return None, False
+        tokens = np.asarray(prompt, dtype=np.uint32)
         started = time.perf_counter()
         hit, tiers, pending = self._lookup(scope, tokens, chunk, num_computed_tokens)
         self.stats.lookup_s += time.perf_counter() - started
+        if expected and not self._prefill_arrived(request.request_id, hit, min(expected, len(tokens)), now):
+            return None, False
         if pending:
             self.stats.deferred += 1
             return None, False
         self.stats.lookups += 1
-        self.stats.lookup_tokens += cacheable
+        self.stats.lookup_tokens += len(tokens)
         self.stats.hit_tokens += hit
-        last_loadable = (len(prompt) - 1) // self.block_size * self.block_size
-        load = max(0, min(hit, last_loadable) - num_computed_tokens)
+        load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit)
         return load, False
+
+    def _prefill_arrived(self, req_id: ReqId, hit: int, expected: int, now: float) -> bool:
+        """Whether to go ahead with a request prefilled elsewhere: its KV is here, or it has
+        waited ``prefill_wait_s`` for it."""
+        waiting = self._waiting.setdefault(req_id, _Waiting(now, now))
+        waiting.last_lookup = now
+        if hit < expected and now - waiting.since < self.config.prefill_wait_s:
+            return False
+        del self._waiting[req_id]
+        self.stats.prefill_wait_s += now - waiting.since
+        if hit < expected:
+            self.stats.prefill_wait_timeouts += 1
+            log.warning(
+                "kvtier: request %s: %d of the %d tokens its prefill instance saved reached the cache in %.1f s;"
+                " computing the rest here", req_id, hit, expected, self.config.prefill_wait_s,
+            )
+        else:
+            self.stats.prefill_waits += 1
+        return True
 
     def _lookup(self, scope: RequestScope, tokens: np.ndarray, chunk: int, local: int) -> tuple[int, list[str], bool]:
         """(tokens hit on every TP rank, tier of each chunk, whether to wait for a save in flight)."""
@@ -193,7 +243,7 @@ class KvtierScheduler:
 
     def _partial_hit(self, scope, tokens, chunk, hit, tiers) -> tuple[int, list[str]]:
         """Past the full chunks found: the longest partial chunk stored when a prompt ended there."""
-        longest = min(hit + chunk - self.block_size, len(tokens))
+        longest = min(hit + chunk - self.block_size, len(tokens) // self.block_size * self.block_size)
         for end in range(longest, hit, -self.block_size):
             results = [
                 self.backend.cache.lookup(self.namespaces.get(rank, scope), tokens[:end])
@@ -209,7 +259,8 @@ class KvtierScheduler:
         self._expire_in_flight()
         ns = self.namespaces.get(0, scope)
         limit = min(len(tokens), hit + chunk)
-        candidates = {chunk_spans(ns, tokens[:end], chunk)[-1].key for end in range(hit + self.block_size, limit + 1, self.block_size)}
+        ends = {*range(hit + self.block_size, limit + 1, self.block_size), limit}
+        candidates = {chunk_spans(ns, tokens[:end], chunk)[-1].key for end in ends if end > hit}
         return any(key in self._in_flight_keys for key in candidates)
 
     def _expire_in_flight(self) -> None:
@@ -247,7 +298,7 @@ class KvtierScheduler:
         stored = known.stored if known is not None else 0
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            tokens = np.asarray(prompt[: cacheable_length(len(prompt), self.block_size)], dtype=np.uint32)
+            tokens = np.asarray(prompt, dtype=np.uint32)
             tracked = self._requests[request.request_id] = _Tracked(scope, tokens, stored)
         else:  # resumed after a preemption
             tracked.saved_upto = max(tracked.saved_upto, stored)
@@ -255,10 +306,10 @@ class KvtierScheduler:
             return
         start = known.num_computed
         end = start + num_external_tokens
-        if start % self.block_size or end % self.block_size or end > hit:
+        if start % self.block_size or (end % self.block_size and end != len(prompt) - 1) or end > hit:
             log.error("kvtier: vLLM asked for tokens [%d, %d) of a %d-token hit; not loading", start, end, hit)
             return
-        block_ids = blocks.get_block_ids()[0][start // self.block_size : end // self.block_size]
+        block_ids = blocks.get_block_ids()[0][start // self.block_size : pages(end, self.block_size)]
         self._loads.append(LoadJob(request.request_id, scope, tracked.tokens[:hit], start, end, list(block_ids)))
         self.stats.load_tokens += num_external_tokens
         for tier in known.tiers:
@@ -287,15 +338,15 @@ class KvtierScheduler:
         tracked = self._requests.get(req_id)
         if tracked is None:
             return
-        cacheable = len(tracked.tokens)
-        end = cacheable if computed >= cacheable else computed // chunk * chunk
+        prompt = len(tracked.tokens)
+        end = prompt if computed >= prompt else computed // chunk * chunk
         if end <= tracked.saved_upto:
             return
-        blocks = self._block_ids_of(req_id)[: end // self.block_size]
+        blocks = self._block_ids_of(req_id)[: pages(end, self.block_size)]
         job = SaveJob(req_id, tracked.scope, tracked.tokens[:end], tracked.saved_upto, list(blocks), self._next_job)
         self._next_job += 1
         ns = self.namespaces.get(0, tracked.scope)
-        keys = [s.key for s in chunk_spans(ns, job.tokens, chunk) if s.end > job.start]
+        keys = [s.key for s in save_spans(ns, job.tokens, chunk, self.block_size) if s.end > job.start]
         self._in_flight[job.job_id] = _InFlight(keys, time.monotonic() + self._in_flight_s)
         self._in_flight_keys.update(keys)
         tracked.saved_upto = end
@@ -313,9 +364,24 @@ class KvtierScheduler:
             if self._job_reports[job_id] >= self.engine.tp_size:
                 self._forget_job(job_id)
 
-    def request_finished(self, request: "Request") -> None:
+    def request_finished(self, request: "Request") -> dict[str, Any] | None:
+        """Forget the request; for a prefill asked by the proxy, the kv_transfer_params to answer."""
         self._lookups.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
+        tracked = self._requests.pop(request.request_id, None)
+        if not (request.kv_transfer_params or {}).get(PREFILL_PARAM):
+            return None
+        return {PREFILLED_PARAM: tracked.saved_upto if tracked is not None and self.config.save else 0}
 
     def shutdown(self) -> None:
         self.backend.close()
+
+
+def _prefilled_tokens(request: "Request") -> int:
+    """Prompt tokens another instance said it saved for this request (0: none, or not said)."""
+    value = (request.kv_transfer_params or {}).get(PREFILLED_PARAM)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if value is not None:
+            log.warning("kvtier: request %s: ignoring %s=%r (not a token count)", request.request_id, PREFILLED_PARAM, value)
+        return 0
+    return value

@@ -8,8 +8,9 @@ Each engine step:
                          copied into a staging ring and a saver thread stores them (saver.py)
     build_connector_worker_meta   which save jobs ended, for the scheduler side
 
-Loads are synchronous with the step and cover whole blocks below the first token the step
-computes, so they never touch a slot the forward pass writes. A load that comes back short
+Loads are synchronous with the step and copy whole pages; the last page of a load may hold
+slots the forward pass then writes (the prompt's last token, at least), which it does after
+the load. A load that comes back short
 (an object evicted since the lookup, a server gone) reports the blocks it did not fill, and vLLM
 recomputes them (``kv_load_failure_policy: recompute``). Saves never make the engine wait on
 storage; vLLM's blocks are not read after the step that computed them.
@@ -32,6 +33,7 @@ from kvtier.integrations.vllm.common import (
     KvtierWorkerMetadata,
     LoadJob,
     NamespaceCache,
+    pages,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.saver import Saver
@@ -110,8 +112,8 @@ class KvtierWorker:
                     continue
                 if span.start > loaded:
                     break  # never happens: chunks come back contiguous from token 0
-                payload = self.pages.payload_view(chunk.payload, span.num_tokens // bs)
-                block_ids = job.block_ids[(lo - job.start) // bs : (hi - job.start) // bs]
+                payload = self.pages.payload_view(chunk.payload, pages(span.num_tokens, bs))
+                block_ids = job.block_ids[(lo - job.start) // bs : pages(hi - job.start, bs)]
                 self.pages.scatter(payload, (lo - span.start) // bs, block_ids)
                 loaded = hi
             self.pages.synchronize()  # before the objects are released

