@@ -20,7 +20,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
+from common import Timeline
+from plotting import add_plot_flag, over_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvtier_processes import ServerProcess  # noqa: E402
@@ -40,12 +45,13 @@ def prompt(p: int):
     return tokens(p * 1000, 16 + (p * 37) % 150)
 
 
-def client_worker(url: str, stop, seed: int, results) -> None:
+def client_worker(url: str, stop, seed: int, results, origin: float) -> None:
+    """Mixed lookups, stores and retrieves of the shared prompt pool until ``stop`` is set;
+    puts its counts, per-operation latencies and timeline (since ``origin``) on ``results``."""
     from kvtier.client import KvtierClient
 
-    """Mixed lookups, stores and retrieves of the shared prompt pool until ``stop`` is set;
-    puts its counts and per-operation latencies on ``results``."""
     rng = random.Random(seed)
+    timeline = Timeline(origin)
     client = KvtierClient(url, timeout_s=TIMEOUT_S)
     counts = {"stores": 0, "stored_chunks": 0, "lookups": 0, "retrieves": 0, "hits": 0, "misses": 0,
               "wrong_bytes": 0, "hangs": 0, "max_call_s": 0.0}
@@ -55,11 +61,11 @@ def client_worker(url: str, stop, seed: int, results) -> None:
         start = time.monotonic()
         choice = rng.random()
         if choice < 0.3:
-            op = "store"
+            op = outcome = "store"
             counts["stores"] += 1
             counts["stored_chunks"] += client.store(NS, toks, fill_for(toks))
         elif choice < 0.5:
-            op = "lookup"
+            op = outcome = "lookup"
             counts["lookups"] += 1
             client.lookup(NS, toks)
         else:
@@ -67,17 +73,20 @@ def client_worker(url: str, stop, seed: int, results) -> None:
             counts["retrieves"] += 1
             with client.retrieve(NS, toks) as r:
                 if r.num_tokens:
+                    outcome = "hit"
                     counts["hits"] += 1
                     counts["wrong_bytes"] += not retrieved_is_exact(r, toks)
                 else:
+                    outcome = "miss"
                     counts["misses"] += 1
         took = time.monotonic() - start
+        timeline.count(outcome)
         latencies[op].append(took)
         counts["max_call_s"] = max(counts["max_call_s"], took)
         counts["hangs"] += took > HANG_AFTER_S
     counts["errors"] = client.stats.timeouts + client.stats.server_errors + client.stats.refused_objects
     client.close()
-    results.put((counts, latencies))
+    results.put((counts, latencies, timeline))
 
 
 def collect(results, expected: int) -> list:
@@ -91,6 +100,22 @@ def collect(results, expected: int) -> list:
         except queue.Empty:
             break
     return reports
+
+
+def plot_run(path: str, reports: list, seconds: float, title: str, down: Sequence[tuple[float, float]] = ()) -> None:
+    """Retrieve hit rate and throughput per operation over the run, from the clients' timelines:
+    a client sees every call end, also while the server is down (its counters restart with it)."""
+    timeline = Timeline(0.0)
+    for *_, part in reports:
+        timeline.merge(part)
+    hits, misses = timeline.rate("hit", seconds), timeline.rate("miss", seconds)
+    with np.errstate(invalid="ignore"):
+        hit_rate = 100 * hits / (hits + misses)  # nan (a gap) where no retrieve ended
+    throughput = {"store": timeline.rate("store", seconds), "lookup": timeline.rate("lookup", seconds),
+                  "retrieve": hits + misses}
+    over_time(path, timeline.times(seconds),
+              {"retrieve hit rate (%)": {"retrieves that found the prompt": hit_rate}, "throughput (calls/s)": throughput},
+              title=title, spans=down, span_label="server down: killed until healthy again")
 
 
 def scan_disk(directory: Path) -> tuple[int, int]:
@@ -124,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="10 kills (about 30 s): the CI mode")
     parser.add_argument("--kills", type=int, default=None, help="default 10 with --quick, else 50")
     parser.add_argument("--clients", type=int, default=4)
+    add_plot_flag(parser)
     args = parser.parse_args(argv)
     kills_wanted = args.kills or (10 if args.quick else 50)
     l1_gb = 0.02
@@ -137,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
         stop = context.Event()
-        workers = [context.Process(target=client_worker, args=(server.url, stop, seed, results))
+        start = time.monotonic()
+        workers = [context.Process(target=client_worker, args=(server.url, stop, seed, results, start))
                    for seed in range(args.clients)]
         for worker in workers:
             worker.start()
@@ -155,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         sampler.start()
         rng = random.Random(1234)
         kills = scanned = corrupt_files = 0
-        start = time.monotonic()
+        down = []  # (killed, healthy again), seconds into the run
         while kills < kills_wanted:
             time.sleep(rng.uniform(0.2, 1.5))  # serving, with clients at work
             server.kill()
+            killed = time.monotonic() - start
             kills += 1
             time.sleep(rng.uniform(0.0, 0.3))
             server.start()
+            down.append((killed, time.monotonic() - start))
             checked, bad = scan_disk(disk)
             scanned += checked
             corrupt_files += bad
@@ -170,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.monotonic() - start
 
         reports = collect(results, len(workers))
-        counts = [c for c, _ in reports]
+        counts = [c for c, *_ in reports]
         hung_processes = len(workers) - len(reports)
         for worker in workers:
             worker.join(timeout=5)
@@ -200,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for key, value in summary.items():
         print(f"{key:<22} {value}")
+    if args.plot and reports:
+        plot_run(args.plot, reports, seconds, down=down,
+                 title=f"Chaos: {args.clients} clients while the server is killed {kills} times and restarted")
     print(json.dumps(summary))
     return 0
 

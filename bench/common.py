@@ -1,8 +1,11 @@
-"""What every benchmark shares: timing and units."""
+"""What every benchmark shares: timing, units and counts over a run."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
+
+import numpy as np
 
 GIB = 1 << 30
 
@@ -30,3 +33,28 @@ def best_of_interleaved(repeats: int, setup=None, **runs) -> dict[str, float]:
             run()
             best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+class Timeline:
+    """Calls counted per fixed interval since a shared origin, for hit rate and throughput over a
+    run without a record per call. time.monotonic is one clock for every process on the machine,
+    so the timelines of client processes add up (``merge``)."""
+
+    def __init__(self, origin: float, interval_s: float = 0.25) -> None:
+        self.origin = origin
+        self.interval_s = interval_s
+        self.counts: Counter = Counter()
+
+    def count(self, name: str) -> None:
+        self.counts[int((time.monotonic() - self.origin) // self.interval_s), name] += 1
+
+    def merge(self, other: "Timeline") -> None:
+        self.counts.update(other.counts)
+
+    def times(self, seconds: float) -> np.ndarray:
+        """The middle of every whole interval in the first ``seconds`` of the run."""
+        return (np.arange(int(seconds // self.interval_s)) + 0.5) * self.interval_s
+
+    def rate(self, name: str, seconds: float) -> np.ndarray:
+        """``name`` per second in each whole interval (a partial last one is left out)."""
+        return np.array([self.counts[i, name] for i in range(int(seconds // self.interval_s))]) / self.interval_s

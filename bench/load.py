@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from chaos import collect, client_worker, rss_mb
+from chaos import client_worker, collect, plot_run, rss_mb
+from plotting import add_plot_flag
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvtier_processes import ServerProcess  # noqa: E402
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="10 s (the CI mode) instead of 60 s")
     parser.add_argument("--clients", type=int, default=8)
+    add_plot_flag(parser)
     args = parser.parse_args(argv)
     seconds = 10.0 if args.quick else 60.0
 
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                                l1_gb=L1_GB).start()
         context = multiprocessing.get_context("spawn")
         results, stop = context.Queue(), context.Event()
-        workers = [context.Process(target=client_worker, args=(server.url, stop, seed, results))
+        start = time.monotonic()
+        workers = [context.Process(target=client_worker, args=(server.url, stop, seed, results, start))
                    for seed in range(args.clients)]
         for worker in workers:
             worker.start()
@@ -57,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         status = server.get("/status")
         server.stop()
 
-    counts = {key: sum(c[key] for c, _ in reports) for key in reports[0][0] if key != "max_call_s"}
-    latencies = {op: np.concatenate([lat[op] for _, lat in reports]) * 1000 for op in reports[0][1]}
+    counts = {key: sum(c[key] for c, *_ in reports) for key in reports[0][0] if key != "max_call_s"}
+    latencies = {op: np.concatenate([lat[op] for _, lat, _ in reports]) * 1000 for op in reports[0][1]}
     print(f"{'operation':<10} {'count':>8} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     summary = {"seconds": seconds, "clients": args.clients, "clients_finished": len(reports)}
     for op, values in latencies.items():
@@ -77,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_rss_over_l1_mb": round(max_rss_over, 1),
         "hit_rate": round(counts["hits"] / max(1, counts["retrieves"]), 3),
     })
+    if args.plot:
+        plot_run(args.plot, reports, seconds, title=f"Load: {args.clients} clients, an L1 of {L1_GB * 1024:.0f} MiB "
+                 "for a working set of about 3 MiB")
     print(json.dumps(summary))
     return 0
 

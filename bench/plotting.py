@@ -1,14 +1,15 @@
 """PNG figures for the benchmarks (``--plot PATH``): one figure per benchmark, next to its JSON.
 
 matplotlib is imported only when a figure is drawn, with the Agg backend (no display needed).
-Two shapes cover the benchmarks: bars of kvtier against its reference per operation, and lines
-of a measure against a parameter (TTFT vs context length, throughput vs object size, hit rate
-over a run).
+Three shapes cover the benchmarks: bars of kvtier against its reference per operation, lines
+of a measure against a parameter (TTFT vs context length, throughput vs object size), and
+measures over a run (hit rate and throughput against time, server downtime shaded).
 """
 
 from __future__ import annotations
 
 import argparse
+from itertools import cycle
 from pathlib import Path
 from typing import Sequence
 
@@ -38,6 +39,12 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
+def _tidy(ax, axis: str = "both") -> None:
+    ax.grid(axis=axis, color="#e3e6eb")
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+
+
 def comparison_bars(
     path: str | Path,
     groups: dict[str, Sequence[tuple[str, float, float, str]]],
@@ -63,9 +70,7 @@ def comparison_bars(
         ax.set_title(group, fontsize=10)
         ax.set_ylabel(unit)
         ax.margins(y=0.12)
-        ax.grid(axis="y", color="#e3e6eb")
-        ax.set_axisbelow(True)
-        ax.spines[["top", "right"]].set_visible(False)
+        _tidy(ax, axis="y")
     axes[0][0].legend(frameon=False, fontsize=8)
     fig.suptitle(title, fontsize=11)
     return _save(fig, path)
@@ -84,7 +89,7 @@ def lines(
     """One line per series (name: (xs, ys)), e.g. TTFT cold and warm against context length."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for (name, (xs, ys)), color in zip(series.items(), LINE_COLORS * (1 + len(series) // len(LINE_COLORS))):
+    for (name, (xs, ys)), color in zip(series.items(), cycle(LINE_COLORS)):
         ax.plot(list(xs), list(ys), marker="o", markersize=3, color=color, label=name)
     if logx:
         ax.set_xscale("log", base=2)
@@ -93,8 +98,33 @@ def lines(
     ax.set_title(title, fontsize=11)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.grid(color="#e3e6eb")
-    ax.set_axisbelow(True)
-    ax.spines[["top", "right"]].set_visible(False)
+    _tidy(ax)
     ax.legend(frameon=False, fontsize=8)
+    return _save(fig, path)
+
+
+def over_time(
+    path: str | Path,
+    times: Sequence[float],
+    panels: dict[str, dict[str, Sequence[float]]],
+    *,
+    title: str,
+    spans: Sequence[tuple[float, float]] = (),
+    span_label: str = "",
+) -> Path:
+    """Measures in different units over one run: a panel per unit (ylabel: {series: ys}) on a
+    shared time axis, ``spans`` (start, end) shaded in every panel so that cause and effect line up."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 0.6 + 2.6 * len(panels)), sharex=True, squeeze=False)
+    for ax, (ylabel, series) in zip(axes[:, 0], panels.items()):
+        for (name, ys), color in zip(series.items(), cycle(LINE_COLORS)):
+            ax.plot(list(times), list(ys), color=color, linewidth=1.2, label=name)
+        for i, (start, end) in enumerate(spans):
+            ax.axvspan(start, end, color="#f4c7c3", alpha=0.6, linewidth=0, label=span_label if i == 0 else None)
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        _tidy(ax)
+        ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[-1, 0].set_xlabel("time into the run (s)")
+    fig.suptitle(title, fontsize=11)
     return _save(fig, path)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 from common import GIB, best_of
+from plotting import add_plot_flag, comparison_bars
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvtier_processes import ServerProcess  # noqa: E402
@@ -64,9 +65,17 @@ def measure_path(client: KvtierClient, chunks: int, repeats: int, payload: np.nd
     return {"store": total / store_s / GIB, "retrieve": total / retrieve_s / GIB}
 
 
+def plot(path: str, rows: list[tuple[str, float, float]], chunks: int, p50: float, p99: float) -> None:
+    """Each operation's GiB/s beside memcpy's; the lookup latency, in other units, in the title."""
+    comparison_bars(path, {f"{chunks} objects of 32 MiB per request": [(*row, "memcpy") for row in rows]},
+                    title=f"Server data path vs memcpy (lookup of 8192 tokens: p50 {p50:.3f} ms, p99 {p99:.3f} ms)",
+                    unit="GiB/s")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (under 60 s)")
+    add_plot_flag(parser)
     args = parser.parse_args(argv)
     repeats = 3 if args.quick else 7
     chunks = 4 if args.quick else 8
@@ -122,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, ours, ref in rows:
         print(f"{name:<28} {ours:>13.2f} {ref:>13.2f} {ours / ref:>6.2f}")
     print(f"{'lookup, 8192-token prompt':<28} p50 {p50:.3f} ms   p99 {p99:.3f} ms")
+    if args.plot:
+        plot(args.plot, rows, chunks, p50, p99)
     print(json.dumps({
         "shm_store_vs_memcpy": round(shm_result["store"] / memcpy_in_gib, 3),
         "shm_retrieve_vs_memcpy": round(shm_result["retrieve"] / memcpy_out_gib, 3),
