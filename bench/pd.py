@@ -6,7 +6,9 @@ prefill engine computes the prompt and saves its KV; the decode engine loads it.
 time of a request is what the connectors spend on it: copying the pages out of vLLM's blocks and
 storing them (prefill side) plus retrieving and copying them into vLLM's blocks (decode side).
 Its floor is one memcpy of the same bytes in this process (a transfer makes three copies: pages
-to staging, staging to the server's shared memory, shared memory to pages).
+to staging, staging to the server's shared memory, shared memory to pages). A second decode
+engine loads the same KV as one on another host would, as message frames over the socket
+("load, frames"; not in the ratio).
 
 Part 2, serving: one vLLM instance alone (two OpenMP threads) against 1P1D (a prefill and a
 decode instance, one thread each, and ``kvtier pd-proxy``) on the same mixed load: concurrent
@@ -95,10 +97,14 @@ def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -
                              max_model_len=max_len, env=env, name="producer")
     consumer = EngineProcess(model, workdir, kvtier_transfer_config({"kvtier.url": url}, "kv_consumer"),
                              max_model_len=max_len, env=env, name="consumer")
+    # a decode engine as on another host: KV as message frames over the socket
+    remote = EngineProcess(model, workdir, kvtier_transfer_config({"kvtier.url": url, "kvtier.shared_memory": False},
+                                                                  "kv_consumer"),
+                           max_model_len=max_len, env=env, name="consumer-frames")
     rows = []
-    with producer, consumer:
-        producer.generate([_tokens(0, 300)])  # the first forward pass of a process is slow
-        consumer.generate([_tokens(0, 300)])
+    with producer, consumer, remote:
+        for engine in (producer, consumer, remote):  # the first forward pass of a process is slow
+            engine.generate([_tokens(0, 300)])
         for length in lengths:
             prompt = _tokens(length, length - 7)  # ends inside a block: the tail travels too
             p0, c0 = _worker_stats(producer), _worker_stats(consumer)
@@ -106,6 +112,9 @@ def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -
             p1 = _worker_stats(producer)
             [decoded] = consumer.generate([prompt], kv_transfer_params=prefilled["kv_transfer_params"])
             c1 = _worker_stats(consumer)
+            r0 = _worker_stats(remote)
+            [remote_decoded] = remote.generate([prompt], kv_transfer_params=prefilled["kv_transfer_params"])
+            r1 = _worker_stats(remote)
             stage, store = p1["stage_s"] - p0["stage_s"], p1["save_s"] - p0["save_s"]
             load, retrieve = c1["load_s"] - c0["load_s"], c1["retrieve_s"] - c0["retrieve_s"]
             loaded = c1["loaded_tokens"] - c0["loaded_tokens"]
@@ -115,7 +124,8 @@ def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -
             rows.append({"tokens": len(prompt), "loaded": loaded, "computed": len(prompt) - decoded["num_cached_tokens"],
                          "mib": nbytes / 2**20, "save_ms": (stage + store) * 1e3, "load_ms": load * 1e3,
                          "stage_ms": stage * 1e3, "store_ms": store * 1e3, "retrieve_ms": retrieve * 1e3,
-                         "memcpy_ms": memcpy * 1e3, "same_first_token": decoded["token_ids"] == prefilled["token_ids"]})
+                         "frames_load_ms": (r1["load_s"] - r0["load_s"]) * 1e3,
+                         "memcpy_ms": memcpy * 1e3, "same_first_token": decoded["token_ids"] == prefilled["token_ids"] == remote_decoded["token_ids"]})
     return rows
 
 
@@ -196,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         print("(save = stage: pages to a staging ring on the engine's path + store: ring to the server's shared"
               " memory, in a thread; load = retrieve: lookup and pin + copy into vLLM's pages)")
         print(f"{'prompt':>7} {'MiB':>6} {'stage':>7} {'store':>7} {'retrieve':>9} {'load':>7} {'total ms':>9}"
-              f" {'memcpy ms':>10} {'ratio':>6} {'decoder computed':>17}")
+              f" {'memcpy ms':>10} {'ratio':>6} {'decoder computed':>17} {'load, frames':>13}")
         for r in transfer:
             total = r["save_ms"] + r["load_ms"]
             print(f"{r['tokens']:>7} {r['mib']:>6.1f} {r['stage_ms']:>7.2f} {r['store_ms']:>7.2f} {r['retrieve_ms']:>9.2f}"
                   f" {r['load_ms']:>7.2f} {total:>9.2f} {r['memcpy_ms']:>10.2f} {r['memcpy_ms'] / total:>6.2f}"
-                  f" {r['computed']:>17}")
+                  f" {r['computed']:>17} {r['frames_load_ms']:>13.2f}")
 
         rng = random.Random("pd-load")
         lengths = [rng.choice((256, 512, 1024, 2048, 3072)) + rng.randrange(0, 128) for _ in range(args.requests)]
@@ -242,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "transfer_vs_memcpy": round(memcpy / (save + load), 3),
             "load_vs_memcpy": round(memcpy / load, 3),
+            "frames_load_vs_memcpy": round(memcpy / sum(r["frames_load_ms"] for r in transfer), 3),
             "transfer_gib_s": round(sum(r["mib"] for r in transfer) / 1024 / ((save + load) / 1e3), 3),
             "decoder_prefill_tokens_max": decoder_max,
             "outputs_identical": identical and all(r["same_first_token"] for r in transfer),

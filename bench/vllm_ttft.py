@@ -36,7 +36,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config  # noqa: E402
+from kvtier.integrations.vllm.serve import free_port, kvtier_server  # noqa: E402
 from kvtier.tiny_model import build_tiny_model  # noqa: E402
 
 BLOCK = 128  # vLLM CPU backend
@@ -67,53 +67,6 @@ def _tokens(seed: int, n: int) -> list[int]:
 def _p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``kvtier server`` in a child process, L1 only."""
-
-    def __init__(self, workdir: Path, l1_gb: float, chunk_size: int) -> None:
-        self.port, self.http_port = _free_port(), _free_port()
-        self.log = workdir / "kvtier-server.log"
-        self.args = [sys.executable, "-m", "kvtier.cli", "server", "--port", str(self.port),
-                     "--http-port", str(self.http_port), "--l1-size-gb", str(l1_gb), "--chunk-size", str(chunk_size)]
-        self.proc = None
-
-    @property
-    def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    def start(self) -> "Server":
-        import urllib.request
-
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtier server exited: {self.log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthcheck", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError("kvtier server did not become healthy")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 def _ask(engine: EngineProcess, prompts: list[list[int]]) -> list[dict]:
@@ -192,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     env = engine_env(kv_cache_space_gb=None)  # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes
     env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     env["OMP_NUM_THREADS"] = str(args.threads)
-    server = Server(args.workdir, l1_gb=max(0.25, 3 * (n + args.misses + 8) * length * bytes_per_token / 2**30), chunk_size=256)
-    server.start()
+    l1_gb = max(0.25, 3 * (n + args.misses + 8) * length * bytes_per_token / 2**30)
+    port = free_port()
+    server = kvtier_server(port, free_port(), env, args.workdir, "--l1-size-gb", f"{l1_gb:.3f}", "--chunk-size", "256")
+    server.start().wait_healthy(60)
     a = EngineProcess(model, args.workdir, enable_prefix_caching=True, max_model_len=max_len, llm_kwargs=capped,
                       env=env, name="A-vllm")
-    b = EngineProcess(model, args.workdir, kvtier_transfer_config({"kvtier.url": server.url}), enable_prefix_caching=True,
+    b = EngineProcess(model, args.workdir, kvtier_transfer_config({"kvtier.url": f"tcp://127.0.0.1:{port}"}), enable_prefix_caching=True,
                       max_model_len=max_len, llm_kwargs=capped, env=env, name="B-kvtier")
     try:
         a.launch()
@@ -249,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         a.stop()
         b.stop()
-        server.stop()
+        server.terminate()
+        server.wait_or_kill(time.monotonic() + 15)
 
     def ttft(outs):
         return [o["latency_s"] for o in outs]
