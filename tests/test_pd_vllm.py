@@ -5,11 +5,13 @@ decoder must compute at most one token of each prompt, and losing the prefill in
 speed, not answers or hung requests.
 
 The tests share the services (starting vLLM costs most of a minute) and run in file order: the
-last one kills the prefill instance. Marked ``vllm``.
+fourth kills the prefill instance. The last one puts prefill and decode on two "hosts" (a kvtier
+server each) that share only a Redis tier. Marked ``vllm``.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -21,9 +23,9 @@ import uvicorn
 
 pytest.importorskip("vllm")
 
-from kvtier.disagg.params import PREFILLED_PARAM  # noqa: E402
+from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM  # noqa: E402
 from kvtier.disagg.proxy import create_app  # noqa: E402
-from kvtier.integrations.vllm.process import kvtier_transfer_config  # noqa: E402
+from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config  # noqa: E402
 from kvtier.integrations.vllm.serve import MODEL_NAME, free_port, service_env, stop_all, vllm_server  # noqa: E402
 from kvtier_processes import ServerProcess  # noqa: E402
 
@@ -190,3 +192,40 @@ def test_killing_the_prefill_instance_mid_run_costs_no_answer(stack):
     assert computed_prompt_tokens(answer) == len(prompt)
     assert time.monotonic() - started < PREFILL_WAIT_S
     assert_same_answer(answer, complete(stack.url("single"), prompt))
+
+
+def test_prefill_and_decode_on_two_hosts_share_kv_through_redis(tmp_path, tiny_model_path, redis_server):
+    """Two hosts, each with its own kvtier server over one shared Redis tier: the prefill engine
+    stores on its host, the decode engine finds the KV through Redis (written there
+    asynchronously, so it waits for it) and computes one token; its first token's logprobs
+    equal the prefill engine's, which computed the whole prompt."""
+    redis = json.dumps({"type": "redis", "url": redis_server.url, "key_prefix": "pd:"})
+    hosts = [ServerProcess(tmp_path, "--l2-adapter", redis, l1_gb=0.25, chunk_size=256).start() for _ in range(2)]
+    env = engine_env()
+    prefill = EngineProcess(tiny_model_path, tmp_path, kvtier_transfer_config({"kvtier.url": hosts[0].url}, "kv_producer"),
+                            max_model_len=2048, env=env, name="prefill-host-a")
+    decode = EngineProcess(tiny_model_path, tmp_path, kvtier_transfer_config(
+        {"kvtier.url": hosts[1].url, "kvtier.prefill_wait_s": 60.0}, "kv_consumer"),
+        max_model_len=2048, env=env, name="decode-host-b")
+    try:
+        prefill.launch()
+        decode.launch()
+        prefill.wait_ready()
+        decode.wait_ready()
+        prompt = _tokens(500, 900)
+        [prefilled] = prefill.generate([prompt], logprobs=5, kv_transfer_params={PREFILL_PARAM: True})
+        assert prefilled["kv_transfer_params"] == {PREFILLED_PARAM: len(prompt)}
+        [decoded] = decode.generate([prompt], logprobs=5, kv_transfer_params=prefilled["kv_transfer_params"])
+        assert decoded["num_cached_tokens"] == len(prompt) - 1
+        assert decoded["token_ids"] == prefilled["token_ids"]
+        ours, theirs = dict(decoded["logprobs"][0]), dict(prefilled["logprobs"][0])
+        assert ours.keys() == theirs.keys()
+        assert all(abs(ours[t] - theirs[t]) <= LOGPROB_ATOL for t in ours)
+        scheduler = decode.stats()["scheduler"]
+        assert scheduler["prefill_waits"] == 1 and scheduler["prefill_wait_timeouts"] == 0
+        assert hosts[1].get("/status")["store"]["promotions"] > 0  # it came from Redis, not host A's memory
+    finally:
+        prefill.stop()
+        decode.stop()
+        for host in hosts:
+            host.stop()
