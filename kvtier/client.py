@@ -312,6 +312,11 @@ class KvtierClient:
 
     # -- admin -------------------------------------------------------------------------------
 
+    @property
+    def backing_off(self) -> bool:
+        """Whether the last call failed and calls are instant misses for now (a backoff)."""
+        return time.monotonic() < self._down_until
+
     def ping(self) -> bool:
         try:
             self._call(p.Ping())

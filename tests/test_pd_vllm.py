@@ -16,6 +16,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -224,6 +225,19 @@ def test_prefill_and_decode_on_two_hosts_share_kv_through_redis(tmp_path, tiny_m
         scheduler = decode.stats()["scheduler"]
         assert scheduler["prefill_waits"] == 1 and scheduler["prefill_wait_timeouts"] == 0
         assert hosts[1].get("/status")["store"]["promotions"] > 0  # it came from Redis, not host A's memory
+
+        # the decode host's server dies: a request told its KV is coming does not wait for it
+        killed = hosts[1].proc.pid
+        hosts[1].kill()
+        for arena in Path("/dev/shm").glob(f"kvtier-{killed}-*"):
+            arena.unlink()  # a killed server cannot remove its shared-memory arena
+        other = _tokens(501, 700)
+        [reference] = prefill.generate([other], logprobs=5, kv_transfer_params={PREFILL_PARAM: True})
+        started = time.monotonic()
+        [alone] = decode.generate([other], logprobs=5, kv_transfer_params=reference["kv_transfer_params"])
+        assert time.monotonic() - started < 15  # its wait limit is 60 s; the client's timeout is 1 s
+        assert alone["num_cached_tokens"] == 0 and alone["token_ids"] == reference["token_ids"]
+        assert decode.stats()["scheduler"]["prefill_wait_timeouts"] == 1
     finally:
         prefill.stop()
         decode.stop()

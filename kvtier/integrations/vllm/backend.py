@@ -46,6 +46,11 @@ class Backend:
             return True
         return self.cache.ping()
 
+    @property
+    def reachable(self) -> bool:
+        """False while the server is known to be unreachable (always True when embedded)."""
+        return not (self.config.server_mode and self.cache.backing_off)
+
     def stats(self) -> dict:
         return dict(vars(self.cache.stats))
 

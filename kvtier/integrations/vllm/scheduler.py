@@ -205,18 +205,20 @@ class KvtierScheduler:
 
     def _prefill_arrived(self, req_id: ReqId, hit: int, expected: int, now: float) -> bool:
         """Whether to go ahead with a request prefilled elsewhere: its KV is here, or it has
-        waited ``prefill_wait_s`` for it."""
+        waited ``prefill_wait_s`` for it, or the server cannot be reached."""
         waiting = self._waiting.setdefault(req_id, _Waiting(now, now))
         waiting.last_lookup = now
-        if hit < expected and now - waiting.since < self.config.prefill_wait_s:
+        patient = now - waiting.since < self.config.prefill_wait_s and self.backend.reachable
+        if hit < expected and patient:  # an unreachable server will not bring the KV either
             return False
         del self._waiting[req_id]
         self.stats.prefill_wait_s += now - waiting.since
         if hit < expected:
             self.stats.prefill_wait_timeouts += 1
             log.warning(
-                "kvtier: request %s: %d of the %d tokens its prefill instance saved reached the cache in %.1f s;"
-                " computing the rest here", req_id, hit, expected, self.config.prefill_wait_s,
+                "kvtier: request %s: %d of the %d tokens its prefill instance saved reached the cache in %.1f s%s;"
+                " computing the rest here", req_id, hit, expected, now - waiting.since,
+                "" if self.backend.reachable else " (the kvtier server is unreachable)",
             )
         else:
             self.stats.prefill_waits += 1
