@@ -54,6 +54,30 @@ def make_objects(count: int) -> list[tuple[bytes, bytearray]]:
 # -- transfers -------------------------------------------------------------------------------------
 
 
+def compare(tier, raw, objects, repeats: int, clear, raw_put, raw_get) -> dict[str, float]:
+    """GiB/s of the tier's put and get against the raw client's (``raw_put``, ``raw_get``), taken
+    in turn; everything written is cleared after, and both clients are closed."""
+    dest = memoryview(bytearray(len(objects[0][1])))
+
+    def tier_put():
+        for key, obj in objects:
+            assert tier.put([(key, memoryview(obj))]) == [True]
+
+    def tier_get():
+        for key, _ in objects:
+            assert tier.get_into(key, lambda n: dest[:n]) is not None
+
+    total = sum(len(obj) for _, obj in objects)
+    result = best_of_interleaved(repeats, clear, raw_put=raw_put, put=tier_put)
+    raw_put()
+    tier_put()
+    result.update(best_of_interleaved(repeats, raw_get=raw_get, get=tier_get))
+    clear()
+    tier.close()
+    raw.close()
+    return {name: total / seconds / GIB for name, seconds in result.items()}
+
+
 def bench_redis(url: str, objects, repeats: int) -> dict[str, float]:
     import redis
 
@@ -63,7 +87,6 @@ def bench_redis(url: str, objects, repeats: int) -> dict[str, float]:
     raw = redis.Redis.from_url(url)
     names = [f"raw:{key.hex()}" for key, _ in objects]
     payloads = [bytes(obj) for _, obj in objects]
-    dest = memoryview(bytearray(len(payloads[0])))
 
     def clear():
         tier.clear()
@@ -73,27 +96,11 @@ def bench_redis(url: str, objects, repeats: int) -> dict[str, float]:
         for name, data in zip(names, payloads):
             raw.set(name, data)
 
-    def tier_put():
-        for key, obj in objects:
-            assert tier.put([(key, memoryview(obj))]) == [True]
-
     def raw_get():
         for name in names:
             assert raw.get(name) is not None
 
-    def tier_get():
-        for key, _ in objects:
-            assert tier.get_into(key, lambda n: dest[:n]) is not None
-
-    total = sum(map(len, payloads))
-    result = best_of_interleaved(repeats, clear, raw_put=raw_put, put=tier_put)
-    raw_put()
-    tier_put()
-    result.update(best_of_interleaved(repeats, raw_get=raw_get, get=tier_get))
-    clear()
-    tier.close()
-    raw.close()
-    return {name: total / seconds / GIB for name, seconds in result.items()}
+    return compare(tier, raw, objects, repeats, clear, raw_put, raw_get)
 
 
 def bench_s3(endpoint_url: str, bucket: str, objects, repeats: int) -> dict[str, float]:
@@ -108,7 +115,6 @@ def bench_s3(endpoint_url: str, bucket: str, objects, repeats: int) -> dict[str,
     raw = boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1", config=config)
     names = [f"raw/{key.hex()}" for key, _ in objects]
     payloads = [bytes(obj) for _, obj in objects]
-    dest = memoryview(bytearray(len(payloads[0])))
 
     def clear():
         tier.clear()
@@ -118,27 +124,11 @@ def bench_s3(endpoint_url: str, bucket: str, objects, repeats: int) -> dict[str,
         for name, data in zip(names, payloads):
             raw.put_object(Bucket=bucket, Key=name, Body=data)
 
-    def tier_put():
-        for key, obj in objects:
-            assert tier.put([(key, memoryview(obj))]) == [True]
-
     def raw_get():
-        for name in names:
-            assert len(raw.get_object(Bucket=bucket, Key=name)["Body"].read()) == len(dest)
+        for name, data in zip(names, payloads):
+            assert len(raw.get_object(Bucket=bucket, Key=name)["Body"].read()) == len(data)
 
-    def tier_get():
-        for key, _ in objects:
-            assert tier.get_into(key, lambda n: dest[:n]) is not None
-
-    total = sum(map(len, payloads))
-    result = best_of_interleaved(repeats, clear, raw_put=raw_put, put=tier_put)
-    raw_put()
-    tier_put()
-    result.update(best_of_interleaved(repeats, raw_get=raw_get, get=tier_get))
-    clear()
-    tier.close()
-    raw.close()
-    return {name: total / seconds / GIB for name, seconds in result.items()}
+    return compare(tier, raw, objects, repeats, clear, raw_put, raw_get)
 
 
 # -- codecs ----------------------------------------------------------------------------------------

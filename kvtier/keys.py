@@ -107,12 +107,18 @@ def chunk_spans(
         end = min(start + chunk_size, len(data))
         if end - start < chunk_size and not include_partial:
             break
-        h = blake3.blake3(previous)
-        h.update(_LENGTH.pack(end - start))
-        h.update(data[start:end].tobytes())
-        previous = h.digest(KEY_SIZE)
+        previous = chain_key(previous, data[start:end])
         spans.append(ChunkSpan(previous, start, end))
     return spans
+
+
+def chain_key(previous: bytes, chunk: np.ndarray) -> bytes:
+    """The key of ``chunk`` (canonical tokens) after the chunk keyed ``previous`` (the
+    namespace root before the first chunk): each key names its whole prefix."""
+    h = blake3.blake3(previous)
+    h.update(_LENGTH.pack(len(chunk)))
+    h.update(chunk.tobytes())
+    return h.digest(KEY_SIZE)
 
 
 def spans_within(spans: Sequence[ChunkSpan], start: int = 0, end: int | None = None) -> list[ChunkSpan]:

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkSpan, Namespace, chunk_spans
+from kvtier.keys import ChunkSpan, Namespace, canonical_tokens, chain_key, chunk_spans
 from kvtier.layout import DTYPE_SIZES, KVLayout
 
 if TYPE_CHECKING:
@@ -180,7 +180,9 @@ def save_spans(ns: Namespace, tokens: np.ndarray, chunk: int, block_size: int) -
     spans = chunk_spans(ns, tokens, chunk)
     whole = len(tokens) // block_size * block_size
     if spans and spans[-1].start < whole < len(tokens):
-        spans.insert(-1, chunk_spans(ns, tokens[:whole], chunk)[-1])
+        start = spans[-1].start
+        previous = spans[-2].key if len(spans) > 1 else ns.root
+        spans.insert(-1, ChunkSpan(chain_key(previous, canonical_tokens(tokens[start:whole])), start, whole))
     return spans
 
 

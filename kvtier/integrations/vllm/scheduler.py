@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
-from kvtier.keys import chunk_spans
+from kvtier.keys import canonical_tokens, chain_key, chunk_spans
 from kvtier.integrations.vllm.backend import Backend
 from kvtier.integrations.vllm.common import (
     EngineLayout,
@@ -261,8 +261,12 @@ class KvtierScheduler:
         self._expire_in_flight()
         ns = self.namespaces.get(0, scope)
         limit = min(len(tokens), hit + chunk)
-        ends = {*range(hit + self.block_size, limit + 1, self.block_size), limit}
-        candidates = {chunk_spans(ns, tokens[:end], chunk)[-1].key for end in ends if end > hit}
+        data = canonical_tokens(tokens[:limit])
+        keys_at = {0: ns.root, **{s.end: s.key for s in chunk_spans(ns, data, chunk)}}  # each chunk hashed once
+        candidates = set()
+        for end in {*range(hit + self.block_size, limit + 1, self.block_size), limit} - {hit}:
+            start = (end - 1) // chunk * chunk  # the last chunk of tokens[:end]
+            candidates.add(chain_key(keys_at[start], data[start:end]))
         return any(key in self._in_flight_keys for key in candidates)
 
     def _expire_in_flight(self) -> None:
