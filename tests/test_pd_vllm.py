@@ -22,13 +22,11 @@ import httpx
 import pytest
 import uvicorn
 
-pytest.importorskip("vllm")
-
-from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM  # noqa: E402
-from kvtier.disagg.proxy import create_app  # noqa: E402
-from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config  # noqa: E402
-from kvtier.integrations.vllm.serve import MODEL_NAME, free_port, service_env, stop_all, vllm_server  # noqa: E402
-from kvtier_processes import ServerProcess  # noqa: E402
+from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
+from kvtier.disagg.proxy import create_app
+from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier.integrations.vllm.serve import MODEL_NAME, free_port, service_env, stop_all, vllm_server
+from kvtier_processes import ServerProcess
 
 pytestmark = pytest.mark.vllm
 

@@ -19,12 +19,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from kvtier.errors import ConfigError  # noqa: E402
-from kvtier.integrations.vllm.config import parse_extra_config  # noqa: E402
-from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config  # noqa: E402
-from kvtier_processes import ServerProcess  # noqa: E402
+from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.config import parse_extra_config
+from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_processes import ServerProcess
 
 CHUNK = 256
 BLOCK = 128  # the CPU attention backend's block size
