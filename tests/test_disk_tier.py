@@ -368,7 +368,7 @@ def test_concurrent_puts_and_gets_never_exceed_the_capacity(tmp_path):
                 got = t.get([key(i)])[0]
                 assert got is None or bytes(got) == obj(i, 4)
                 assert t.usage().used_bytes <= capacity  # files are checked at the end: a listing is no snapshot
-        except AssertionError as e:
+        except BaseException as e:  # any error in a thread fails the test, not only a failed assert
             failures.append(e)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
@@ -376,6 +376,6 @@ def test_concurrent_puts_and_gets_never_exceed_the_capacity(tmp_path):
         thread.start()
     for thread in threads:
         thread.join()
-    assert not failures and t.stats.corrupt == 0 and t.stats.errors == 0
+    assert failures == [] and t.stats.corrupt == 0 and t.stats.errors == 0
     check_capacity(t, capacity)
     assert t.usage().used_bytes == sum(files_on_disk(tmp_path).values())

@@ -32,7 +32,7 @@ def run_bench(name: str, *flags: str) -> dict:
 
 def test_chaos_kills_never_give_wrong_bytes_or_hangs():
     result = run_bench("chaos.py", "--quick")
-    assert result["kills"] >= 10
+    assert result["kills"] == 10 and result["server_exits_unkilled"] == 0  # each kill hit a running server
     assert result["wrong_bytes"] == 0 and result["client_hangs"] == 0
     assert result["clients_finished"] == result["clients"]
     assert result["disk_files_scanned"] > 0 and result["disk_files_corrupt"] == 0
@@ -54,11 +54,12 @@ def test_load_stays_within_capacity_without_errors():
 
 @contextmanager
 def mounted(target: Path, *how: str):
-    """``mount *how target`` for the block, or skip where mounting is not allowed."""
+    """``mount *how target`` for the block, or skip where mounting is not allowed (it needs root or
+    CAP_SYS_ADMIN; CI runs as root)."""
     target.mkdir(parents=True, exist_ok=True)
     mount = subprocess.run(["mount", *how, str(target)], capture_output=True, text=True)
     if mount.returncode != 0:
-        pytest.skip(f"cannot mount here (CI runs as root): {mount.stderr.strip()}")
+        pytest.skip(f"mount is not allowed here (needs root or CAP_SYS_ADMIN): {mount.stderr.strip()}")
     try:
         yield target
     finally:
@@ -272,4 +273,5 @@ def test_base_path_cannot_reach_outside_files(tmp_path):
         server.stop()
     assert outside.read_text() == "do not touch"
     assert (base / "notes.txt").read_text() == "mine"
-    assert not list(base.glob("*.kv"))[0:0] and (base / f"{fake_key}.kv").is_symlink()
+    assert [p.name for p in base.glob("*.kv")] == [f"{fake_key}.kv"]  # kvtier's two objects are gone
+    assert (base / f"{fake_key}.kv").is_symlink()

@@ -175,22 +175,22 @@ def test_fill_that_raises_aborts_its_reservations(server):
 
 
 def test_many_threads_share_one_server(server):
-    import threading
-
-    errors = []
+    """Four clients, each in its own thread, store and read back their own prompts at once: every
+    store stores every chunk and every retrieve returns the whole prompt, exactly."""
+    from concurrent.futures import ThreadPoolExecutor
 
     def work(base):
         client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
-        for i in range(20):
-            toks = tokens(base + i * 100, 40)
-            client.store(NS, toks, fill_for(toks))
-            with client.retrieve(NS, toks) as r:
-                if not retrieved_is_exact(r, toks):
-                    errors.append((base, i))
-        client.close()
+        try:
+            for i in range(20):
+                toks = tokens(base + i * 100, 40)
+                assert client.store(NS, toks, fill_for(toks)) == 3, (base, i)  # chunks of 16, 16 and 8
+                with client.retrieve(NS, toks) as r:
+                    assert r.num_tokens == 40 and retrieved_is_exact(r, toks), (base, i)
+        finally:
+            client.close()
 
-    threads = [threading.Thread(target=work, args=(b,)) for b in (100_000, 200_000, 300_000, 400_000)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert not errors
+    with ThreadPoolExecutor(4) as pool:
+        for done in [pool.submit(work, b) for b in (100_000, 200_000, 300_000, 400_000)]:
+            done.result()  # re-raises what failed in the thread
     np.testing.assert_equal(server.service.status()["leases_and_reservations"], 0)
