@@ -55,7 +55,7 @@ def test_load_stays_within_capacity_without_errors():
 @contextmanager
 def mounted(target: Path, *how: str):
     """``mount *how target`` for the block, or skip where mounting is not allowed (it needs root or
-    CAP_SYS_ADMIN; CI runs as root)."""
+    CAP_SYS_ADMIN; CI runs as root). tests/test_disk_faults.py injects the same faults anywhere."""
     target.mkdir(parents=True, exist_ok=True)
     mount = subprocess.run(["mount", *how, str(target)], capture_output=True, text=True)
     if mount.returncode != 0:
