@@ -22,10 +22,10 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m kvtier.demo_vllm
+	$(VENV)/bin/kvtier-demo
 
 demo-transformers: $(STAMP)
-	$(VENV)/bin/kvtier demo
+	$(VENV)/bin/kvtier-demo-transformers
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -9,7 +9,7 @@ counts. The model is a random 16-layer Llama (hidden 128, 2 query heads, 1 KV he
 Llama-3.2-1B, the width of a toy so that 8k-token prefills fit a 2-core CPU): the speedup depends
 on the share of layers after the check layer, not on the weights.
 
-Quality: the tiny model trained on kvtier.blend.task (docs/blend.md), on held-out prompts of 8
+Quality: the tiny model trained on kvtier_testing.blend.task (docs/blend.md), on held-out prompts of 8
 pages: accuracy of full recompute, naive reuse (0 % recomputed), CacheBlend at 5/15/30 %.
 
 CacheBlend runs with gradual filtering (``--candidate-factor``, default BlendConfig's); the
@@ -25,26 +25,22 @@ import dataclasses
 import json
 import os
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
-from common import best_of_interleaved
-from plotting import add_plot_flag, lines
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from kvtier.blend import BlendConfig, BlendedModel  # noqa: E402
-from kvtier.blend.quality import evaluate, load_task_model  # noqa: E402
-from kvtier.integrations.transformers import PrefixCachedModel  # noqa: E402
-from kvtier.store import TieredStore  # noqa: E402
-from kvtier.tiers.memory import MemoryTier  # noqa: E402
-from kvtier.tiny_model import build_tiny_model, sample_question, sample_text  # noqa: E402
+from kvtier.blend import BlendConfig, BlendedModel
+from kvtier.integrations.transformers import PrefixCachedModel
+from kvtier.store import TieredStore
+from kvtier.tiers.memory import MemoryTier
+from kvtier_testing.blend.quality import evaluate, load_task_model
+from kvtier_testing.cache_dir import cache_dir
+from kvtier_testing.plotting import add_plot_flag, lines
+from kvtier_testing.timing import best_of_interleaved
+from kvtier_testing.tiny_model import build_tiny_model, sample_question, sample_text
 
 SPEED_MODEL = {
     "num_hidden_layers": 16,
@@ -60,7 +56,7 @@ DOCS = 8
 def speed(doc_words: int, repeats: int, config: BlendConfig) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = build_tiny_model(ROOT / ".cache" / "blend-speed-llama", **SPEED_MODEL)
+    path = build_tiny_model(cache_dir("blend-speed-llama"), **SPEED_MODEL)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     system = tokenizer(sample_text(220, seed=900))["input_ids"]  # longer than a chunk: prefix reuse gets it

@@ -24,15 +24,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from common import Timeline
-from plotting import add_plot_flag, over_time
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kvtier_processes import ServerProcess  # noqa: E402
-from workload import NS, fill_for, retrieved_is_exact, tokens  # noqa: E402
-
-from kvtier.errors import ObjectError  # noqa: E402
-from kvtier.objects import check_object  # noqa: E402
+from kvtier.errors import ObjectError
+from kvtier.objects import check_object
+from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.plotting import add_plot_flag, over_time
+from kvtier_testing.timing import Timeline
+from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 TIMEOUT_S = 1.0
 #: A store or retrieve makes at most three round trips, each bounded by what is left of the

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 from chaos import client_worker, collect, plot_run, rss_mb
-from plotting import add_plot_flag
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kvtier_processes import ServerProcess  # noqa: E402
+from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.plotting import add_plot_flag
 
 L1_GB = 0.001  # about 250 of the workload's 4 KiB chunks: the prompt pool needs about 700
 L2_GB = 0.0008  # smaller still: the disk tier must evict too

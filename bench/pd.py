@@ -37,16 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from common import best_of  # noqa: E402
-from plotting import add_plot_flag, comparison_bars  # noqa: E402
-
-from kvtier.disagg.params import PREFILL_PARAM  # noqa: E402
-from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config  # noqa: E402
-from kvtier.integrations.vllm.serve import (  # noqa: E402
+from kvtier.disagg.params import PREFILL_PARAM
+from kvtier_testing.cache_dir import cache_dir
+from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_testing.plotting import add_plot_flag, comparison_bars
+from kvtier_testing.services import (
     MODEL_NAME,
     Service,
     free_port,
@@ -55,7 +50,8 @@ from kvtier.integrations.vllm.serve import (  # noqa: E402
     stop_all,
     vllm_server,
 )
-from kvtier.tiny_model import DEFAULT_CONFIG, build_tiny_model  # noqa: E402
+from kvtier_testing.timing import best_of
+from kvtier_testing.tiny_model import DEFAULT_CONFIG, build_tiny_model
 
 BLOCK = 128  # vLLM CPU backend
 BYTES_PER_TOKEN = DEFAULT_CONFIG["num_hidden_layers"] * 2 * DEFAULT_CONFIG["num_key_value_heads"] \
@@ -74,7 +70,7 @@ def _parse(argv):
     parser.add_argument("--requests", type=int, default=None, help="part 2 requests per phase (default 12, quick 6)")
     parser.add_argument("--concurrency", type=int, default=3, help="part 2 concurrent clients")
     parser.add_argument("--max-tokens", type=int, default=32, help="part 2 tokens per answer")
-    parser.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench-pd")
+    parser.add_argument("--workdir", type=Path, default=cache_dir("bench-pd"))
     add_plot_flag(parser)
     args = parser.parse_args(argv)
     default = "1024,4096" if args.quick else "1024,2048,4096,8192"
@@ -193,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     workdir = args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(REPO / ".cache" / "tiny-llama")
+    model = build_tiny_model()
     env = service_env(workdir)
     kv_port, kv_http = free_port(), free_port()
     server = kvtier_server(kv_port, kv_http, env, workdir / "logs", "--l1-size-gb", "2", "--chunk-size", "256")

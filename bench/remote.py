@@ -26,15 +26,12 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import GIB, best_of, best_of_interleaved
-from plotting import add_plot_flag, comparison_bars
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from kvtier.codecs import codec_by_name  # noqa: E402
-from kvtier.layout import KVLayout  # noqa: E402
-from kvtier.objects import build_object  # noqa: E402
+from kvtier.codecs import codec_by_name
+from kvtier.layout import KVLayout
+from kvtier.objects import build_object
+from kvtier_testing.plotting import add_plot_flag, comparison_bars
+from kvtier_testing.timing import GIB, best_of, best_of_interleaved
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16")
 TOKENS = 256
@@ -139,9 +136,9 @@ def tiny_model_kv():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvtier.tiny_model import DEFAULT_PATH, build_tiny_model, sample_text
+    from kvtier_testing.tiny_model import build_tiny_model, sample_text
 
-    path = build_tiny_model(DEFAULT_PATH)
+    path = build_tiny_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(path)(sample_text(1500), return_tensors="pt").input_ids[:, :1024]
     with torch.inference_mode():
@@ -181,9 +178,9 @@ def int8_effect(prompts: int, new_tokens: int) -> dict[str, float]:
     from kvtier.tiers.codec import CodecTier
     from kvtier.tiers.disk import DiskTier
     from kvtier.tiers.memory import MemoryTier
-    from kvtier.tiny_model import DEFAULT_PATH, build_tiny_model, sample_question, sample_text
+    from kvtier_testing.tiny_model import build_tiny_model, sample_question, sample_text
 
-    path = build_tiny_model(DEFAULT_PATH)
+    path = build_tiny_model()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     codecs = ("int8", "zstd")
@@ -250,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 2 if args.quick else 5
     objects = make_objects(3 if args.quick else 16)
 
-    from servers import S3_ACCESS_KEY, S3_BUCKET, S3_SECRET_KEY, RedisServer, SeaweedS3
+    from kvtier_testing.servers import S3_ACCESS_KEY, S3_BUCKET, S3_SECRET_KEY, RedisServer, SeaweedS3
 
     os.environ.update(AWS_ACCESS_KEY_ID=S3_ACCESS_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET_KEY)
     with tempfile.TemporaryDirectory() as workdir:

@@ -19,16 +19,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import GIB, best_of
-from plotting import add_plot_flag, comparison_bars
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kvtier_processes import ServerProcess  # noqa: E402
-
-from kvtier.client import KvtierClient  # noqa: E402
-from kvtier.keys import Namespace  # noqa: E402
-from kvtier.layout import KVLayout  # noqa: E402
-from kvtier.tiers.arena import allocate_buffer  # noqa: E402
+from kvtier.client import KvtierClient
+from kvtier.keys import Namespace
+from kvtier.layout import KVLayout
+from kvtier.tiers.arena import allocate_buffer
+from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.plotting import add_plot_flag, comparison_bars
+from kvtier_testing.timing import GIB, best_of
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
 NS = Namespace(model="bench-llama-8b", layout=LAYOUT)

@@ -19,14 +19,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from common import GIB, best_of_interleaved
-from plotting import add_plot_flag, comparison_bars
 
 from kvtier.layout import KVLayout
 from kvtier.objects import build_object
 from kvtier.tiers.arena import ALIGNMENT, allocate_buffer
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryTier
+from kvtier_testing.cache_dir import cache_dir
+from kvtier_testing.plotting import add_plot_flag, comparison_bars
+from kvtier_testing.timing import GIB, best_of_interleaved
 
 GEOMETRIES = {
     "llama8b-32MiB": KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16"),
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer and smaller runs (under 60 s)")
     parser.add_argument("--odirect", action="store_true", help="O_DIRECT for the L2 tier and its raw reference")
-    parser.add_argument("--workdir", default=".cache/bench-tiers", help="directory on the disk to measure")
+    parser.add_argument("--workdir", default=cache_dir("bench-tiers"), help="directory on the disk to measure")
     add_plot_flag(parser)
     args = parser.parse_args(argv)
 

@@ -40,13 +40,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config  # noqa: E402
-from kvtier.integrations.vllm.serve import free_port, kvtier_server  # noqa: E402
-from kvtier.tiny_model import build_tiny_model  # noqa: E402
+from kvtier_testing.cache_dir import cache_dir
+from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_testing.services import free_port, kvtier_server
+from kvtier_testing.tiny_model import build_tiny_model
 
 BLOCK = 128  # vLLM CPU backend
 QUESTION = 16
@@ -94,7 +91,7 @@ def _loadavg() -> float:
 
 
 def _parse(argv):
-    from plotting import add_plot_flag
+    from kvtier_testing.plotting import add_plot_flag
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer contexts (under two minutes)")
@@ -103,7 +100,7 @@ def _parse(argv):
     parser.add_argument("--misses", type=int, default=None, help="M never-seen contexts (default 6, quick 3)")
     parser.add_argument("--sweep", default="1024,2048,4096,8192", help="context lengths of the warm/cold sweep")
     parser.add_argument("--sweep-contexts", type=int, default=None, help="contexts per sweep length (default 2, quick 1)")
-    parser.add_argument("--workdir", type=Path, default=REPO / ".cache" / "bench-vllm")
+    parser.add_argument("--workdir", type=Path, default=cache_dir("bench-vllm"))
     parser.add_argument("--omp-bind", default="nobind",
                         help="VLLM_CPU_OMP_THREADS_BIND for both engines (default: %(default)s, the OS moves their"
                              " threads off busy cores; vLLM's own default 'auto' pins them)")
@@ -127,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model()
-    from kvtier.tiny_model import DEFAULT_CONFIG
+    from kvtier_testing.tiny_model import DEFAULT_CONFIG
 
     bytes_per_token = DEFAULT_CONFIG["num_hidden_layers"] * 2 * DEFAULT_CONFIG["num_key_value_heads"] * DEFAULT_CONFIG["head_dim"] * 4
     n, length = args.contexts, args.length
@@ -285,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plot = None
     try:
-        from plotting import lines
+        from kvtier_testing.plotting import lines
 
         xs = list(sweep_table)
         plot = str(lines(

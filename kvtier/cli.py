@@ -1,4 +1,5 @@
-"""The ``kvtier`` command: ``server``, ``status``, ``kvcache clear`` and ``demo``."""
+"""The ``kvtier`` command: ``server``, ``status``, ``kvcache clear`` and ``pd-proxy``. The demos are
+the harness's own commands (``kvtier-demo``, ``kvtier-demo-transformers``, in ``kvtier_testing``)."""
 
 from __future__ import annotations
 
@@ -146,15 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     proxy.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     proxy.add_argument("--port", type=int, default=8100, help="port to serve on (default 8100)")
     proxy.add_argument("--timeout-s", type=float, default=600.0, help="per upstream request")
-    commands.add_parser("demo", help="prefix reuse on a tiny local model: TTFT cold vs warm", add_help=False)
 
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from kvtier.demo import main as demo
-
-        return demo(rest) or 0
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = parser.parse_args(argv)
     if args.command == "pd-proxy":
         return _pd_proxy(args, proxy)
     try:

@@ -11,16 +11,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-# -- the tiny random Llama model (kvtier.tiny_model) ----------------------------------------------
+# -- the tiny random Llama model (kvtier_testing.tiny_model) --------------------------------------
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
     """A tiny Llama model folder, built once (about 5 s) and reused across sessions; set
-    KVTIER_TINY_MODEL to put it elsewhere than the repository's .cache/tiny-llama."""
-    from kvtier.tiny_model import DEFAULT_PATH, build_tiny_model
+    KVTIER_TINY_MODEL to put it elsewhere than tiny-llama under kvtier_testing.cache_dir()."""
+    from kvtier_testing.tiny_model import build_tiny_model
 
-    return build_tiny_model(Path(os.environ.get("KVTIER_TINY_MODEL", DEFAULT_PATH)))
+    return build_tiny_model(os.environ.get("KVTIER_TINY_MODEL"))
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +45,7 @@ def tiny_hf_model(tiny_model_path):
 @pytest.fixture
 def redis_server(tmp_path):
     """A fresh redis-server on a free loopback port (about 0.1 s to start)."""
-    from servers import RedisServer
+    from kvtier_testing.servers import RedisServer
 
     server = RedisServer(tmp_path / "redis")
     server.start()
@@ -57,7 +57,7 @@ def redis_server(tmp_path):
 def s3_server(tmp_path_factory):
     """One SeaweedFS S3 gateway for the session (about 4 s to start), with the bucket
     ``servers.S3_BUCKET``; tests keep apart by prefix."""
-    from servers import SeaweedS3
+    from kvtier_testing.servers import SeaweedS3
 
     server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
     server.start()
@@ -68,7 +68,7 @@ def s3_server(tmp_path_factory):
 @pytest.fixture
 def s3_credentials(monkeypatch):
     """The test server's key, through the standard AWS environment variables."""
-    from servers import S3_ACCESS_KEY, S3_SECRET_KEY
+    from kvtier_testing.servers import S3_ACCESS_KEY, S3_SECRET_KEY
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)

@@ -1,20 +1,26 @@
-"""bench/plotting.py: every benchmark's --plot writes a real PNG of its figure."""
+"""kvtier_testing/plotting.py: every benchmark's --plot writes a real PNG of its figure."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from kvtier_testing import plotting
+from kvtier_testing.timing import Timeline
 
-import chaos  # noqa: E402
-import plotting  # noqa: E402
-import remote  # noqa: E402
-import server  # noqa: E402
-from common import Timeline  # noqa: E402
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_script(name: str):
+    """A benchmark script (bench/NAME.py) loaded as a module, for its plot function: the scripts
+    are run as files, not installed, so they are loaded by path."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -67,29 +73,26 @@ def test_chaos_and_load_plot_the_clients_timelines(tmp_path):
             timeline.counts.update({(i, "hit"): hits, (i, "miss"): misses, (i, "store"): 2 + seed, (i, "lookup"): 1})
         reports.append(({}, {}, timeline))
     path = tmp_path / "chaos.png"
-    chaos.plot_run(str(path), reports, 1.0, "chaos", down=[(0.1, 0.6)])
+    bench_script("chaos").plot_run(str(path), reports, 1.0, "chaos", down=[(0.1, 0.6)])
     assert path.read_bytes().startswith(PNG)
 
 
 def test_server_and_remote_plots(tmp_path):
     rows = [("shm store", 6.9, 5.3), ("frames store", 0.4, 5.3)]
-    server.plot(str(tmp_path / "server.png"), rows, chunks=4, p50=0.6, p99=4.4)
+    bench_script("server").plot(str(tmp_path / "server.png"), rows, chunks=4, p50=0.6, p99=4.4)
     rates = {"put": 0.9, "raw_put": 0.8, "get": 0.3, "raw_get": 0.3}
-    remote.plot(str(tmp_path / "remote.png"), rates, rates, objects=3)
+    bench_script("remote").plot(str(tmp_path / "remote.png"), rates, rates, objects=3)
     for name in ("server.png", "remote.png"):
         assert (tmp_path / name).read_bytes().startswith(PNG)
 
 
 def test_blend_and_pd_plots(tmp_path):
-    import blend
-    import pd
-
     q = {"full": 1.0, 0.0: 0.5, 0.05: 0.95, 0.15: 0.98, 0.30: 0.99}
     plain = {0.05: 0.86, 0.15: 0.95, 0.30: 0.98}
     deeper = {0.05: 0.99, 0.15: 1.0, 0.30: 1.0}
-    blend.plot(str(tmp_path / "blend.png"), q, plain, deeper, {"blend_ttft_speedup": 3.4}, 1, 400, 0.15)
+    bench_script("blend").plot(str(tmp_path / "blend.png"), q, plain, deeper, {"blend_ttft_speedup": 3.4}, 1, 400, 0.15)
     transfer = [{"tokens": 1017, "mib": 4.0, "save_ms": 2.0, "load_ms": 1.5, "memcpy_ms": 0.8},
                 {"tokens": 4089, "mib": 16.0, "save_ms": 7.0, "load_ms": 5.0, "memcpy_ms": 3.0}]
-    pd.plot(str(tmp_path / "pd.png"), transfer)
+    bench_script("pd").plot(str(tmp_path / "pd.png"), transfer)
     for name in ("blend.png", "pd.png"):
         assert (tmp_path / name).read_bytes().startswith(PNG)

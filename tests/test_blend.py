@@ -20,7 +20,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.transformers import namespace_for_model
 from kvtier.store import TieredStore
 from kvtier.tiers.memory import MemoryTier
-from kvtier_processes import ServerProcess
+from kvtier_testing.kvtier_processes import ServerProcess
 
 ATOL = 1e-5
 CHUNK = 32
@@ -305,7 +305,7 @@ def test_segments_through_a_server_are_found_by_another_client(tmp_path, tiny_hf
 
 
 def test_blending_restores_the_accuracy_that_naive_reuse_loses():
-    from kvtier.blend.quality import evaluate, load_task_model
+    from kvtier_testing.blend.quality import evaluate, load_task_model
 
     model = load_task_model()  # the shipped weights: no training in tests
     scores = evaluate(model, size=64, ratios=(0.0, 0.15, 0.30), by_kind=True)

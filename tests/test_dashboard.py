@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.client import KvtierClient
-from kvtier_processes import ServerProcess
-from workload import NS, fill_for, tokens
+from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.workload import NS, fill_for, tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / ".cache" / "artifacts"

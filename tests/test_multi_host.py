@@ -7,8 +7,8 @@ import json
 import time
 
 from kvtier.client import KvtierClient
-from kvtier_processes import ServerProcess
-from workload import NS, fill_for, retrieved_is_exact, tokens
+from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 
 def host(tmp_path, name: str, shared: dict) -> ServerProcess:
@@ -44,7 +44,7 @@ def test_two_hosts_share_one_redis(tmp_path, redis_server):
 
 
 def test_two_hosts_share_one_s3_bucket(tmp_path, s3_server, s3_credentials):
-    from servers import S3_BUCKET
+    from kvtier_testing.servers import S3_BUCKET
 
     adapter = {"type": "s3", "endpoint_url": s3_server.endpoint_url, "bucket": S3_BUCKET, "prefix": "multi-host/",
                "region": "us-east-1"}

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
 from kvtier.disagg.proxy import create_app, prefill_request
-from kvtier_processes import free_port
+from kvtier_testing.kvtier_processes import free_port
 
 
 class Upstream:

@@ -24,9 +24,9 @@ import uvicorn
 
 from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
 from kvtier.disagg.proxy import create_app
-from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config
-from kvtier.integrations.vllm.serve import MODEL_NAME, free_port, service_env, stop_all, vllm_server
-from kvtier_processes import ServerProcess
+from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.services import MODEL_NAME, free_port, service_env, stop_all, vllm_server
 
 pytestmark = pytest.mark.vllm
 

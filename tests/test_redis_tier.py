@@ -17,7 +17,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.factory import build_tier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.redis import RedisTier, redacted_url
-from servers import RedisServer
+from kvtier_testing.servers import RedisServer
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")  # 256 bytes per token
 

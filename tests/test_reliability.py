@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from kvtier.client import KvtierClient
 from kvtier.keys import Namespace
-from kvtier_processes import ServerProcess
-from workload import LAYOUT, NS, fill_for, retrieved_is_exact, tokens
+from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.workload import LAYOUT, NS, fill_for, retrieved_is_exact, tokens
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -15,7 +15,7 @@ from kvtier.store import TieredStore
 from kvtier.tiers.factory import build_tier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.s3 import S3Tier
-from servers import S3_BUCKET, SeaweedS3
+from kvtier_testing.servers import S3_BUCKET, SeaweedS3
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")  # 256 bytes per token
 _prefixes = itertools.count()

@@ -8,20 +8,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from kvtier.client import KvtierClient
-from kvtier_processes import ServerProcess
-from workload import NS, fill_for, retrieved_is_exact, tokens
-
-WORKLOAD = str(Path(__file__).with_name("workload.py"))
+from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 
 def engine(action: str, server: ServerProcess, first: int, count: int, *flags: str) -> dict:
     """Run one store or retrieve in a separate Python interpreter."""
-    out = subprocess.run([sys.executable, WORKLOAD, action, server.url, str(first), str(count), *flags],
+    out = subprocess.run([sys.executable, "-m", "kvtier_testing.workload", action, server.url, str(first), str(count), *flags],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])

@@ -15,8 +15,8 @@ from kvtier.client import KvtierClient
 from kvtier.config import ServerConfig, convert
 from kvtier.server import protocol as p
 from kvtier.server.main import KvtierServer
-from kvtier_processes import free_port
-from workload import NS, fill_for, retrieved_is_exact, tokens
+from kvtier_testing.kvtier_processes import free_port
+from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 
 def start_server(**overrides) -> KvtierServer:

@@ -12,7 +12,7 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
 from kvtier.tiers.memory import MemoryTier
-from kvtier.tiny_model import sample_text, tiny_layout
+from kvtier_testing.tiny_model import sample_text, tiny_layout
 
 CHUNK = 256
 ATOL = 1e-4

@@ -21,8 +21,8 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import parse_extra_config
-from kvtier.integrations.vllm.process import EngineProcess, engine_env, kvtier_transfer_config
-from kvtier_processes import ServerProcess
+from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_testing.kvtier_processes import ServerProcess
 
 CHUNK = 256
 BLOCK = 128  # the CPU attention backend's block size
@@ -124,11 +124,11 @@ def test_connector_keeps_numba_out_of_vllm_processes():
     (640, [(0, 256), (256, 512), (512, 640)]),  # ends on a block boundary: the partial chunk is the tail
 ])
 def test_save_spans_store_the_prompt_tail_and_the_whole_blocks_before_it(length, expected):
+    import numpy as np
+
     from kvtier.integrations.vllm.common import save_spans
     from kvtier.keys import Namespace, chunk_spans
     from kvtier.layout import KVLayout
-
-    import numpy as np
 
     ns = Namespace("m", KVLayout(2, 2, 32, "float32", block_size=BLOCK))
     tokens = np.asarray(_tokens(9, length), dtype=np.uint32)

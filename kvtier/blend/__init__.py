@@ -7,9 +7,9 @@
     next_token = int(result.logits.argmax())
 
 See docs/blend.md. Modules: ``segments`` (segment namespace and KV in the store), ``rope``
-(re-rotation of cached keys), ``forward`` (the blended forward loop), ``model`` (``BlendedModel``),
-``task``, ``train_task_model`` and ``quality`` (the tiny trained model that quality is measured
-with, and its evaluation).
+(re-rotation of cached keys), ``forward`` (the blended forward loop), ``model`` (``BlendedModel``).
+The task, the tiny trained model that quality is measured with, and its evaluation are harness:
+``kvtier_testing.blend``.
 """
 
 from kvtier.blend.model import BlendConfig, BlendedModel, BlendResult

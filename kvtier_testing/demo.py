@@ -1,4 +1,4 @@
-"""``kvtier demo``: prefix reuse on a tiny local Llama model, time to first token cold vs warm.
+"""``kvtier-demo-transformers``: prefix reuse on a tiny local Llama model, time to first token cold vs warm.
 
 Several requests share one long document (about 8k tokens) and differ in their question. Each
 is run twice: cold (full prefill, no cache) and warm (through kvtier, after the first request
@@ -7,7 +7,7 @@ what that does to the time to first token, and the demo checks that the warm out
 exactly the cold ones. With a disk tier, a last run clears L1 and serves the document from disk.
 
 Everything is local: the model has random weights and a locally trained tokenizer
-(``kvtier.tiny_model``); nothing is downloaded.
+(``kvtier_testing.tiny_model``); nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from kvtier.tiny_model import DEFAULT_PATH
+from kvtier_testing.cache_dir import cache_dir
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_PATH.parent,
+    parser = argparse.ArgumentParser(prog="kvtier-demo-transformers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache-dir", type=Path, default=cache_dir(),
                         help="where the tiny model and the disk tier live (default: %(default)s)")
     parser.add_argument("--doc-tokens", type=int, default=8192, help="tokens of the shared document")
     parser.add_argument("--questions", type=int, default=4, help="number of requests")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from kvtier.integrations.transformers import PrefixCachedModel
-    from kvtier.tiny_model import build_tiny_model, sample_question, sample_text
+    from kvtier_testing.tiny_model import build_tiny_model, sample_question, sample_text
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(max(1, args.threads))

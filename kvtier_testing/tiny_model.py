@@ -5,7 +5,7 @@ on generated English-like text, and the weights are a seeded random initialisati
 a normal Hugging Face model folder, loadable offline by ``AutoTokenizer``,
 ``AutoModelForCausalLM`` and vLLM::
 
-    path = build_tiny_model(Path(".cache/tiny-llama"))
+    path = build_tiny_model()             # under kvtier_testing.cache_dir()
     model = AutoModelForCausalLM.from_pretrained(path)
 
 Building is idempotent: a folder that holds a complete build with the same parameters is reused;
@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.layout import KVLayout
+from kvtier_testing.cache_dir import cache_dir
 
-#: Where the tiny model lives by default: under the repository's (gitignored) cache folder.
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / ".cache" / "tiny-llama"
+#: Folder name of the default build under ``cache_dir()``.
+DEFAULT_NAME = "tiny-llama"
 
 #: Bumped when the build recipe changes, so stale folders are rebuilt.
 BUILD_VERSION = 1
@@ -151,12 +152,13 @@ def _is_complete(path: Path, recipe: dict) -> bool:
 
 
 def build_tiny_model(path: Path | str | None = None, seed: int = 0, **config_overrides: Any) -> Path:
-    """Create (or reuse) a tiny random Llama model folder at ``path`` and return its path.
+    """Create (or reuse) a tiny random Llama model folder at ``path`` (default: ``tiny-llama``
+    under ``cache_dir()``) and return its path.
 
     ``config_overrides`` replace entries of ``DEFAULT_CONFIG`` (hidden_size, num_hidden_layers,
     vocab_size, ...). The same ``seed`` and overrides always give the same weights and tokenizer.
     """
-    path = Path(path) if path is not None else DEFAULT_PATH
+    path = Path(path) if path is not None else cache_dir(DEFAULT_NAME)
     config_kwargs = {**DEFAULT_CONFIG, **config_overrides}
     recipe = {"build_version": BUILD_VERSION, "seed": seed, "config": config_kwargs}
     if _is_complete(path, recipe):

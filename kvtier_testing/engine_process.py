@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+from kvtier_testing.cache_dir import cache_dir
 
 
 def engine_env(cache_root: Path | None = None, threads: int | None = 1, kv_cache_space_gb: int | None = 1) -> dict[str, str]:
@@ -35,7 +35,7 @@ def engine_env(cache_root: Path | None = None, threads: int | None = 1, kv_cache
     ``threads`` OpenMP threads, not pinned to cores (unless the environment says otherwise):
     vLLM's default pins them, and on a shared machine a pinned engine that lands on a busy core
     runs ten times slower; several engines started side by side would also all pin the same cores."""
-    root = Path(cache_root or REPO_ROOT / ".cache")
+    root = Path(cache_root or cache_dir())
     env = dict(os.environ)
     env.update(
         VLLM_CACHE_ROOT=str(root / "vllm"),
@@ -110,8 +110,8 @@ class EngineProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.integrations.vllm.process", json.dumps(self.spec)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self.env, cwd=REPO_ROOT,
+                [sys.executable, "-m", "kvtier_testing.engine_process", json.dumps(self.spec)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self.env,
                 text=True, bufsize=1,
             )
         threading.Thread(target=self._read, daemon=True).start()

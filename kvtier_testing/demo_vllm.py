@@ -1,4 +1,4 @@
-"""``kvtier demo`` on vLLM: long-document questions answered by vLLM's OpenAI-compatible server,
+"""``kvtier-demo`` (``make demo``) on vLLM: long-document questions answered by vLLM's OpenAI-compatible server,
 alone and with kvtier, then after restarting everything.
 
 What it starts (all on free loopback ports, all stopped at the end or on Ctrl-C):
@@ -29,8 +29,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvtier.integrations.vllm.process import kvtier_transfer_config
-from kvtier.integrations.vllm.serve import (
+from kvtier_testing.cache_dir import cache_dir
+from kvtier_testing.engine_process import kvtier_transfer_config
+from kvtier_testing.services import (
     MODEL_NAME,
     free_port,
     kvtier_server,
@@ -38,13 +39,11 @@ from kvtier.integrations.vllm.serve import (
     stop_all,
     vllm_server,
 )
-from kvtier.tiny_model import DEFAULT_PATH
-
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_PATH.parent,
+    parser = argparse.ArgumentParser(prog="kvtier-demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache-dir", type=Path, default=cache_dir(),
                         help="where the model, the logs and kvtier's disk tier live (default: %(default)s)")
     parser.add_argument("--documents", type=int, default=3, help="documents (default: %(default)s)")
     parser.add_argument("--doc-tokens", type=int, default=6000, help="about this many tokens each")
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     from openai import OpenAI
 
-    from kvtier.tiny_model import build_tiny_model, sample_question, sample_text
+    from kvtier_testing.tiny_model import build_tiny_model, sample_question, sample_text
 
     started = time.perf_counter()
     cache = args.cache_dir.resolve()
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizers import Tokenizer
 
-    from kvtier.tiny_model import DEFAULT_CONFIG
+    from kvtier_testing.tiny_model import DEFAULT_CONFIG
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     words = int(args.doc_tokens / 1.35)

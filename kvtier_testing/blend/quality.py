@@ -1,6 +1,6 @@
 """Task accuracy of full recompute, naive reuse and CacheBlend on the trained task model.
 
-For every held-out example of ``kvtier.blend.task``: the pages are prefilled once through a
+For every held-out example of ``kvtier_testing.blend.task``: the pages are prefilled once through a
 ``BlendedModel`` (which stores each page's KV made alone at positions 0..n-1), then the same
 prompt is answered by the model's own forward (full recompute) and by blended prefills that
 reuse the cached pages at each recompute ratio (0 = naive reuse). An answer is right when the
@@ -15,12 +15,12 @@ from typing import Any, Sequence
 
 import torch
 
-from kvtier.blend import task
 from kvtier.blend.model import BlendConfig, BlendedModel
 from kvtier.store import TieredStore
 from kvtier.tiers.memory import MemoryTier
+from kvtier_testing.blend import task
 
-#: The shipped weights (``python -m kvtier.blend.train_task_model`` rebuilds them).
+#: The shipped weights (``python -m kvtier_testing.blend.train_task_model`` rebuilds them).
 TASK_MODEL_PATH = Path(__file__).resolve().parent / "data" / "task-model"
 
 
@@ -30,7 +30,7 @@ def load_task_model(path: Path | str | None = None) -> Any:
 
     path = Path(path) if path is not None else TASK_MODEL_PATH
     if not (path / "model.safetensors").exists():
-        raise FileNotFoundError(f"no task model at {path}: run python -m kvtier.blend.train_task_model")
+        raise FileNotFoundError(f"no task model at {path}: run python -m kvtier_testing.blend.train_task_model")
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 

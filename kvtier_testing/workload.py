@@ -1,8 +1,8 @@
 """A deterministic KV workload: the expected KV of any token range is derivable from the tokens,
 so any process can check that what it retrieves is exactly what some other process stored.
 
-Run as a script to act as a separate engine process:
-    python tests/workload.py store|retrieve URL FIRST_TOKEN COUNT [--frames]
+Run as a module to act as a separate engine process:
+    python -m kvtier_testing.workload store|retrieve URL FIRST_TOKEN COUNT [--frames]
 prints one JSON line.
 """
 

@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvtier.integrations.vllm.serve import free_port
+from kvtier_testing.services import free_port
 
 
 class ServerProcess:

@@ -1,9 +1,9 @@
 """Train the tiny Llama that kvtier's CacheBlend tests and benchmark measure quality with.
 
-    .venv/bin/python -m kvtier.blend.train_task_model            # writes kvtier/blend/data/task-model
+    .venv/bin/python -m kvtier_testing.blend.train_task_model            # writes kvtier/blend/data/task-model
 
 A 4-layer Llama (hidden 64, 2 query heads of 32, 1 KV head, RoPE) trained from scratch on the
-registry task of ``kvtier.blend.task``, with a fixed seed, on one CPU thread, in about 8 minutes.
+registry task of ``kvtier_testing.blend.task``, with a fixed seed, on one CPU thread, in about 8 minutes.
 Loss is on the answers and on copy rows (a random sequence of task words repeated: every token of
 the repeat is a target): copy rows only for the first ``--copy-steps``, until the model looks
 things up in its context, then mixed into every batch. Without them the loss stayed on a plateau
@@ -23,7 +23,7 @@ import random
 import time
 from pathlib import Path
 
-from kvtier.blend import task
+from kvtier_testing.blend import task
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "task-model"
 
@@ -109,7 +109,7 @@ def save(model, out: Path, record: dict) -> None:
         model_max_length=MODEL_CONFIG["max_position_embeddings"],
     ).save_pretrained(out)
     # Older transformers read ``torch_dtype`` and ``rope_theta``; newer ones write ``dtype`` and
-    # ``rope_parameters``: keep both, as kvtier.tiny_model does.
+    # ``rope_parameters``: keep both, as kvtier_testing.tiny_model does.
     config_file = out / "config.json"
     saved = json.loads(config_file.read_text())
     saved.setdefault("torch_dtype", "float32")

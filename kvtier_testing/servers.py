@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
-from kvtier_processes import free_port
+
+from kvtier_testing.kvtier_processes import free_port
 
 S3_ACCESS_KEY = "kvtier-test"
 S3_SECRET_KEY = "kvtier-test-secret"
