@@ -1,7 +1,7 @@
 """Chaos: client processes store and retrieve a known workload while the server is killed with
 SIGKILL at random moments and restarted on the same disk directory.
 
-Every object's bytes follow from its tokens (tests/workload.py), so each retrieve is checked
+Every object's bytes follow from its tokens (kvtier_testing/workload.py), so each retrieve is checked
 exactly: it must return the expected bytes or a miss, never other bytes. No call may take longer
 than its timeout allows; after every restart each file in the disk tier must be a whole object
 that verifies; the server's RSS must stay within the L1 size plus a small overhead.

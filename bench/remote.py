@@ -13,7 +13,7 @@
 
 Objects: Llama-3.1-8B geometry (32 layers, 8 KV heads, head size 128, bf16), 256 tokens = 32 MiB,
 one request at a time. Servers: redis-server and SeaweedFS's S3 gateway on free loopback ports
-(tests/servers.py), started and stopped here. Prints a table and, as the last line, one JSON object.
+(kvtier_testing/servers.py), started and stopped here. Prints a table and, as the last line, one JSON object.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def tiny_hf_model(tiny_model_path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
 
 
-# -- real remote stores (tests/servers.py) ---------------------------------------------------------
+# -- real remote stores (kvtier_testing/servers.py) ----------------------------------------------------
 
 
 @pytest.fixture

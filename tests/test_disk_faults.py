@@ -184,8 +184,8 @@ def test_a_full_disk_under_a_server_keeps_it_serving_and_reports_it(tmp_path, mo
     from kvtier.client import KvtierClient
     from kvtier.config import ServerConfig, convert
     from kvtier.server.main import KvtierServer
-    from kvtier_processes import free_port
-    from workload import NS, fill_for, retrieved_is_exact, tokens
+    from kvtier_testing.kvtier_processes import free_port
+    from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
     base = tmp_path / "l2"
     config = {"store": {"l1": {"size_gb": 0.02}, "chunk_size": 16,

@@ -1,4 +1,4 @@
-"""The Redis tier against a real redis-server (tests/servers.py starts one per test)."""
+"""The Redis tier against a real redis-server (kvtier_testing/servers.py starts one per test)."""
 
 import threading
 import time

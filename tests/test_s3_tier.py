@@ -1,4 +1,4 @@
-"""The S3 tier against a real S3 server: SeaweedFS's gateway (tests/servers.py), with
+"""The S3 tier against a real S3 server: SeaweedFS's gateway (kvtier_testing/servers.py), with
 credentials from the standard AWS environment variables."""
 
 import itertools

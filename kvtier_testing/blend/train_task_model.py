@@ -1,6 +1,6 @@
 """Train the tiny Llama that kvtier's CacheBlend tests and benchmark measure quality with.
 
-    .venv/bin/python -m kvtier_testing.blend.train_task_model            # writes kvtier/blend/data/task-model
+    python -m kvtier_testing.blend.train_task_model   # writes kvtier_testing/blend/data/task-model
 
 A 4-layer Llama (hidden 64, 2 query heads of 32, 1 KV head, RoPE) trained from scratch on the
 registry task of ``kvtier_testing.blend.task``, with a fixed seed, on one CPU thread, in about 8 minutes.
