@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvtier.errors import ObjectError
+from kvtier.events import CacheEvent
 from kvtier.keys import ChunkSpan, Namespace, chunk_spans, spans_within
 from kvtier.layout import KVLayout
 from kvtier.objects import HEADER_SIZE, decode_payload, object_size, seal
@@ -129,6 +130,10 @@ class TieredStore:
     @property
     def tiers(self) -> list[Tier]:
         return [self.l1, *self.lower]
+
+    def take_events(self) -> list[CacheEvent]:
+        """What changed in every tier since the last call, each event naming its tier."""
+        return [event for tier in self.tiers for event in tier.take_events()]
 
     # -- key level ---------------------------------------------------------------------------
 

@@ -289,7 +289,7 @@ def test_segments_through_a_server_are_found_by_another_client(tmp_path, tiny_hf
         blended = BlendedModel(tiny_hf_model, reader, model_name="tiny-llama")
         assert blended.lookup(segments) == [24, 150, 70, 110, 0]
         hits = blended.segments.lookup(segments[1:2])[0]
-        assert len(hits.spans) == 5 and set(hits.tiers) == {"L1"}
+        assert len(hits.spans) == 5 and set(hits.tiers) == {"memory"}
         system, a, b, c, question = segments
         reordered = [system, b, c, a, question]
         result = blended.prefill(reordered, recompute_ratio=1.0, store=False)

@@ -11,7 +11,7 @@ from kvtier.objects import HEADER_SIZE, build_object, check_object, decode_paylo
 from kvtier.store import TieredStore
 from kvtier.tiers.codec import CodecTier
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.factory import build_tier
+from kvtier.build import build_tier
 from kvtier.tiers.memory import MemoryTier
 
 FLOAT_DTYPES = ["float32", "float16", "bfloat16"]

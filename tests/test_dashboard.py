@@ -111,8 +111,8 @@ def test_dashboard_shows_the_servers_numbers(server):
             hit = sum(traffic["hit_tokens"].values())
             tiers = {tier["name"]: tier for tier in status["tiers"]}
             # The traffic did what the page is meant to show: hits in both tiers, evictions, misses.
-            assert traffic["hit_tokens"]["L1"] > 0 and traffic["hit_tokens"]["L2"] > 0
-            assert tiers["L1"]["stats"]["evictions"] > 0 and 0 < hit < traffic["requested_tokens"]
+            assert traffic["hit_tokens"]["memory"] > 0 and traffic["hit_tokens"]["disk"] > 0
+            assert tiers["memory"]["stats"]["evictions"] > 0 and 0 < hit < traffic["requested_tokens"]
 
             expected = {
                 "traffic.requested_tokens": traffic["requested_tokens"],
@@ -145,7 +145,7 @@ def test_dashboard_shows_the_servers_numbers(server):
             # Every chart drew: hit rate per tier, tokens, usage, evictions.
             for chart in ("hit-rate", "tokens", "usage", "pressure"):
                 assert page.locator(f"#chart-{chart} path.series").count() >= 1, chart
-            assert page.locator("#chart-hit-rate path.series").count() == 3  # all tiers, L1, L2
+            assert page.locator("#chart-hit-rate path.series").count() == 3  # all tiers, memory, disk
             assert page.locator("#live").get_attribute("data-state") == "ok"
 
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -161,12 +161,12 @@ def test_dashboard_shows_the_servers_numbers(server):
             page.fill("#token", "wrong")
             page.click("#clear-form button")
             page.wait_for_function("() => document.getElementById('clear-result').textContent.includes('Not cleared')")
-            assert server.get("/status")["tiers"][0]["objects"] == tiers["L1"]["objects"]
+            assert server.get("/status")["tiers"][0]["objects"] == tiers["memory"]["objects"]
             page.fill("#token", TOKEN)
             page.click("#clear-form button")
             page.wait_for_function("() => document.getElementById('clear-result').textContent.includes('Cleared')")
             assert server.get("/status")["tiers"][0]["objects"] == 0
-            page.wait_for_function("() => document.querySelector('[data-field=\"tiers.L1.objects\"]')"
+            page.wait_for_function("() => document.querySelector('[data-field=\"tiers.memory.objects\"]')"
                                    ".dataset.value === '0'")
         finally:
             browser.close()
@@ -198,6 +198,6 @@ def test_status_command_prints_a_colored_summary(server):
     assert out.returncode == 0, out.stderr
     assert "\x1b[" in out.stdout  # colored
     plain = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout)
-    assert "hit rate 80.0% (L1 80.0%, L2 0.0%)  320 of 400 tokens from cache" in plain
-    assert re.search(r"^L1 .* 20 +320 ", plain, re.M) and re.search(r"^L2 ", plain, re.M)
+    assert "hit rate 80.0% (memory 80.0%, disk 0.0%)  320 of 400 tokens from cache" in plain
+    assert re.search(r"^memory .* 20 +320 ", plain, re.M) and re.search(r"^disk ", plain, re.M)
     assert "clients 1" in plain

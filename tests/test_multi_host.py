@@ -31,7 +31,7 @@ def shared_by_two_hosts(tmp_path, shared: dict, tier_name: str) -> None:
         assert reader.lookup(NS, toks).tiers == [tier_name] * 7
         with reader.retrieve(NS, toks) as r:
             assert r.num_tokens == 100 and retrieved_is_exact(r, toks)
-        assert reader.lookup(NS, toks).tiers == ["L1"] * 7  # promoted into host 2's L1
+        assert reader.lookup(NS, toks).tiers == ["memory"] * 7  # promoted into host 2's L1
         writer.close()
         reader.close()
     finally:

@@ -14,7 +14,7 @@ from kvtier.layout import KVLayout
 from kvtier.metrics import ServerMetrics
 from kvtier.objects import build_object, read_header
 from kvtier.store import TieredStore
-from kvtier.tiers.factory import build_tier
+from kvtier.build import build_tier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.redis import RedisTier, redacted_url
 from kvtier_testing.servers import RedisServer
@@ -227,7 +227,7 @@ def test_store_over_an_unreachable_redis_answers_from_l1(tmp_path):
     assert stored == 2 and store.lookup(namespace, list(range(8))).hit_tokens == 8
     assert store.stats.failed_writes == 2 and lower.stats.extra["dropped_puts"] >= 1
     metrics = ServerMetrics(store, lambda: 0).render()
-    assert b'kvtier_tier_healthy{tier="redis"} 0.0' in metrics and b'kvtier_tier_healthy{tier="L1"} 1.0' in metrics
+    assert b'kvtier_tier_healthy{tier="redis"} 0.0' in metrics and b'kvtier_tier_healthy{tier="memory"} 1.0' in metrics
     store.close()
 
 
@@ -302,7 +302,7 @@ def test_two_hosts_share_one_redis(redis_server):
     assert host2.lookup(namespace, tokens).tiers == ["redis"] * 3
     with host2.retrieve(namespace, tokens) as got:
         assert [bytes(c.payload) for c in got.chunks] == [payloads[s] for s in (0, 4, 8)]
-    assert host2.lookup(namespace, tokens).tiers == ["L1"] * 3  # promoted
+    assert host2.lookup(namespace, tokens).tiers == ["memory"] * 3  # promoted
     host1.close()
     host2.close()
 

@@ -92,7 +92,7 @@ def test_disk_full_keeps_serving_and_recovers(tmp_path):
                 assert client.store(NS, toks, fill_for(toks)) == 5
             wait_for(lambda: l2(server)["stats"]["errors"] > 0)
             assert server.get("/healthcheck") == {"status": "healthy"}
-            assert l2(server)["healthy"] is False and 'kvtier_tier_healthy{tier="L2"} 0.0' in server.get("/metrics")
+            assert l2(server)["healthy"] is False and 'kvtier_tier_healthy{tier="disk"} 0.0' in server.get("/metrics")
             toks = tokens(59 * 1000, 80)
             with client.retrieve(NS, toks) as r:  # served from L1 all the same
                 assert r.num_tokens == 80 and retrieved_is_exact(r, toks)

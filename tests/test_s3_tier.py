@@ -12,7 +12,7 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.objects import build_object, read_header
 from kvtier.store import TieredStore
-from kvtier.tiers.factory import build_tier
+from kvtier.build import build_tier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.s3 import S3Tier
 from kvtier_testing.servers import S3_BUCKET, SeaweedS3

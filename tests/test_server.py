@@ -48,7 +48,7 @@ def test_restart_keeps_disk_hits(server):
     assert server.stop() == 0  # SIGTERM: pending disk writes are flushed
     server.start()
     client = KvtierClient(server.url, timeout_s=5)
-    assert client.lookup(NS, tokens(5000, 64)).tiers == ["L2"] * 4
+    assert client.lookup(NS, tokens(5000, 64)).tiers == ["disk"] * 4
     client.close()
     assert engine("retrieve", server, 5000, 64) == {"tokens": 64, "exact": True, "shared_memory": True}
 
@@ -95,11 +95,11 @@ def test_http_endpoints(server):
     engine("store", server, 100, 40)
     assert server.get("/healthcheck") == {"status": "healthy"}
     status = server.get("/status")
-    assert status["tiers"][0]["name"] == "L1" and status["tiers"][0]["objects"] == 3
+    assert status["tiers"][0]["name"] == "memory" and status["tiers"][0]["objects"] == 3
     assert status["config"]["store"]["chunk_size"] == 16
     metrics = server.get("/metrics")
-    for name in ("kvtier_lookups_total", "kvtier_stored_tokens_total 40.0", 'kvtier_tier_usage_bytes{tier="L1"}',
-                 'kvtier_tier_capacity_bytes{tier="L2"}', "kvtier_request_seconds_bucket", "kvtier_connected_clients"):
+    for name in ("kvtier_lookups_total", "kvtier_stored_tokens_total 40.0", 'kvtier_tier_usage_bytes{tier="memory"}',
+                 'kvtier_tier_capacity_bytes{tier="disk"}', "kvtier_request_seconds_bucket", "kvtier_connected_clients"):
         assert name in metrics
     request = urllib.request.Request(server.http + "/clear-cache", method="POST")
     assert json.load(urllib.request.urlopen(request))["removed"] >= 3

@@ -131,6 +131,7 @@ def test_retrieve_cap_and_concurrent_readers():
 
 # -- with a real disk tier below L1 ----------------------------------------------------------
 
+from kvtier.events import Medium  # noqa: E402
 from kvtier.tiers.base import Tier  # noqa: E402
 from kvtier.tiers.disk import DiskTier  # noqa: E402
 
@@ -142,12 +143,12 @@ def test_writes_reach_disk_and_disk_hits_are_promoted(tmp_path):
     store.flush()
     assert store.lower[0].usage().objects == 3
     store.l1.clear()
-    assert store.lookup(NS, tokens).tiers == ["L2", "L2", "L2"]
+    assert store.lookup(NS, tokens).tiers == ["disk", "disk", "disk"]
     with store.retrieve(NS, tokens) as r:
         got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
     np.testing.assert_array_equal(got, kv_of(tokens))
     assert store.stats.promotions == 3
-    assert store.lookup(NS, tokens).tiers == ["L1", "L1", "L1"]
+    assert store.lookup(NS, tokens).tiers == ["memory", "memory", "memory"]
     store.close()
 
 
@@ -183,10 +184,10 @@ def test_corrupt_disk_object_is_a_miss_not_wrong_kv(tmp_path):
 class _SlowTier(Tier):
     """Blocks every put until released: lets a test fill the write queue deterministically."""
 
-    name = "slow"
+    medium = Medium.DISK
 
     def __init__(self):
-        super().__init__()
+        super().__init__("disk-slow")
         self.gate = threading.Event()
         self.stored = {}
 
@@ -204,12 +205,14 @@ class _SlowTier(Tier):
     def delete(self, keys):
         return sum(self.stored.pop(k, None) is not None for k in keys)
 
+    def clear(self):
+        return self.delete(list(self.stored))
+
     def usage(self):
         raise NotImplementedError
 
 
 class _BrokenTier(_SlowTier):
-    name = "broken"
 
     def contains(self, keys):
         raise ConnectionError("down")
@@ -239,4 +242,19 @@ def test_broken_lower_tier_is_a_miss_and_a_failed_write():
     assert store.lookup(NS, tokens).hit_tokens == 0
     with store.retrieve(NS, tokens) as r:
         assert r.num_tokens == 0
+    store.close()
+
+
+def test_store_events_name_each_tier_that_changed(tmp_path):
+    store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
+    tokens = np.arange(40)
+    store.store(NS, tokens, fill_for(tokens))
+    store.flush()
+    keys = [span.key for span in store.spans(NS, tokens)]
+    events = store.take_events()
+    assert sorted((e.kind, e.tier, e.medium, e.key) for e in events) == sorted(
+        [("stored", "memory", Medium.MEMORY, k) for k in keys] + [("stored", "disk", Medium.DISK, k) for k in keys])
+    assert store.take_events() == []  # taken once
+    store.clear()
+    assert [(e.kind, e.tier) for e in store.take_events()] == [("cleared", "memory"), ("cleared", "disk")]
     store.close()

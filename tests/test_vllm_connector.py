@@ -106,7 +106,7 @@ def test_connector_keeps_numba_out_of_vllm_processes():
     """vLLM 0.32's CPU worker breaks when numba is imported into its process."""
     code = (
         "import sys, kvtier.integrations.vllm.connector, kvtier.integrations.vllm.scheduler, "
-        "kvtier.integrations.vllm.worker, kvtier.tiers.factory, kvtier.client; "
+        "kvtier.integrations.vllm.worker, kvtier.build, kvtier.client; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'llvmlite')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

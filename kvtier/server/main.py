@@ -15,7 +15,7 @@ from kvtier.metrics import ServerMetrics
 from kvtier.server.http import HttpServer, create_app
 from kvtier.server.service import CacheService
 from kvtier.server.shm import SharedArena
-from kvtier.tiers.factory import build_store
+from kvtier.build import build_store
 
 log = logging.getLogger(__name__)
 

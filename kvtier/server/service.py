@@ -291,7 +291,7 @@ class CacheService:
                 usage = msgspec.to_builtins(tier.usage())
             except Exception as exc:
                 usage = {"error": type(exc).__name__}
-            tiers.append({"name": tier.name, "healthy": tier.healthy, **usage, "stats": tier.stats.as_dict()})
+            tiers.append({"name": tier.name, "medium": tier.medium.value, "healthy": tier.healthy, **usage, "stats": tier.stats.as_dict()})
         with self._lock:
             held = len(self._held)
         return {

@@ -1,1 +1,1 @@
-"""Storage tiers behind one interface (base.py), one module per medium, built by factory.py."""
+"""Storage tiers behind one interface (base.py), one module per medium, found by registry.py."""

@@ -1,15 +1,36 @@
-"""The interface every storage tier offers, batched so that remote tiers can pipeline.
+"""The interface every storage tier offers, batched so that remote tiers can pipeline, and the
+pieces every medium shares: identity, counters, events, the checked put and the corrupt read.
 
 Tiers hold whole objects (header and payload, see objects.py) as opaque bytes under their keys.
-A tier below L1 checks every object it reads (``objects.check_object``): a corrupt or foreign
-object is a miss, is deleted, and is counted in ``stats.corrupt``.
+A tier below L1 checks every object it reads (``_checked_read``): a corrupt or foreign object is a
+miss, is deleted, and is counted in ``stats.corrupt``.
+
+**Identity.** A tier has a ``medium`` (where its bytes live) and a ``name``: its unique id in a
+store, shown in status, metrics, events and vLLM's hit sources. The id is the medium's value
+(``memory``, ``disk``, ``redis``, ``s3``), followed by ``-<name>`` when the adapter config names
+the tier and by ``-<n>`` when several unnamed tiers share a medium (``registry.tier_ids``), so a
+reader of any id knows the medium (``medium_of``).
+
+**Adapter configs.** Each medium's module defines its ``AdapterConfig`` subclass (the ``type``
+tag of an ``--l2-adapter`` JSON object) and how it builds its tier; registry.py finds them.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Callable, Sequence
+from typing import Annotated, Callable, ClassVar, Sequence
+
+import msgspec
+
+from kvtier.codecs import codec_by_name
+from kvtier.errors import ObjectError
+from kvtier.events import CacheEvent, EventLog, Medium
+from kvtier.objects import ObjectHeader, check_object
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,20 +55,40 @@ class TierStats:
     corrupt: int = 0
     errors: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        """Bump counters from any thread (a server's handlers, a tier's pool)."""
+        with self._lock:
+            for name, delta in deltas.items():
+                if name in self.extra:
+                    self.extra[name] += delta
+                else:
+                    setattr(self, name, getattr(self, name) + delta)
 
     def as_dict(self) -> dict[str, int]:
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "_lock")}
         values.update(self.extra)
         return values
+
+
+def medium_of(tier_id: str) -> Medium | None:
+    """The medium a tier id names (see the module docstring); None for an unknown one."""
+    try:
+        return Medium(tier_id.partition("-")[0])
+    except ValueError:
+        return None
 
 
 class Tier(ABC):
     """A keyed store of KV objects with a byte capacity it never exceeds."""
 
-    name: str
+    medium: ClassVar[Medium]
 
-    def __init__(self) -> None:
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.medium.value  # the tier's unique id in its store
         self.stats = TierStats()
+        self.events = EventLog()
 
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
@@ -77,9 +118,13 @@ class Tier(ABC):
     @abstractmethod
     def usage(self) -> TierUsage: ...
 
+    @abstractmethod
     def clear(self) -> int:
         """Remove every object; returns how many there were."""
-        raise NotImplementedError
+
+    def take_events(self) -> list[CacheEvent]:
+        """What changed since the last call (stored, removed, cleared), oldest first."""
+        return self.events.take()
 
     @property
     def healthy(self) -> bool:
@@ -89,3 +134,66 @@ class Tier(ABC):
 
     def close(self) -> None:
         pass
+
+    # -- for the media ---------------------------------------------------------------------------
+
+    def _stored(self, key: bytes, size: int) -> None:
+        """Count and report an object this tier now holds (``size`` bytes of object)."""
+        self.stats.add(puts=1, put_bytes=size)
+        self.events.add(CacheEvent("stored", self.name, self.medium, key, size))
+
+    def _removed(self, key: bytes) -> None:
+        """Report an object gone (deleted, evicted or corrupt); the caller counts why."""
+        self.events.add(CacheEvent("removed", self.name, self.medium, key))
+
+    def _evicted(self, key: bytes, size: int) -> None:
+        self.stats.add(evictions=1, evicted_bytes=size)
+        self._removed(key)
+
+    def _cleared(self) -> None:
+        self.events.add(CacheEvent("cleared", self.name, self.medium))
+
+    def _whole_object(self, key: bytes, data: bytes | memoryview) -> memoryview | None:
+        """The object to write for ``key``: the caller sealed it, so only its header is checked
+        (a put of something that is not an object for ``key`` is refused and counted)."""
+        view = memoryview(data).cast("B")
+        try:
+            header, _ = check_object(view, key, verify_checksum=False)
+        except ObjectError:
+            self.stats.add(rejected_puts=1)
+            return None
+        return view[: header.object_size]
+
+    def _checked_read(self, key: bytes, data: bytes | memoryview, where: object) -> ObjectHeader | None:
+        """The header of an object read from the medium if it is whole and ours, counting the hit;
+        None (a counted miss and corrupt object, logged) if not: the caller then deletes it."""
+        try:
+            header, _ = check_object(data, key)
+        except ObjectError as e:
+            logger.warning("%s: object %s is corrupt or foreign (%s); deleting it", self.name, where, e)
+            self.stats.add(misses=1, corrupt=1)
+            return None
+        self.stats.add(hits=1, get_bytes=header.object_size)
+        return header
+
+
+TierName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.]{1,32}$")]
+
+
+class AdapterConfig(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A lower tier, as one ``--l2-adapter`` JSON object; ``type`` picks the subclass (the tag
+    each medium's module gives its config)."""
+
+    name: TierName | None = None
+    """Tells two tiers of one medium apart: the tier's id becomes ``<medium>-<name>``."""
+    codec: str = "raw"
+    """Codec of the stored objects (``raw``, ``zstd``, ``int8``); any medium takes any codec."""
+
+    medium: ClassVar[Medium]
+
+    def __post_init__(self) -> None:
+        codec_by_name(self.codec)  # raises ConfigError naming the known codecs
+
+    def build(self, name: str) -> Tier:
+        """The tier this config describes, with id ``name`` (without the codec: build.py wraps)."""
+        raise NotImplementedError

@@ -1,5 +1,5 @@
 """A tier that stores objects encoded with one codec: any medium gets any codec with no code of
-its own (``{"type": "s3", ..., "codec": "zstd"}``; built by factory.py).
+its own (``{"type": "s3", ..., "codec": "zstd"}``; built by kvtier/build.py).
 
 Only writes change: a raw object is re-encoded and re-sealed (same key, layout, token count and
 dtype; the new checksum covers the stored bytes). Reads hand back the object as stored, and it is
@@ -20,11 +20,12 @@ from kvtier.tiers.base import Tier, TierUsage
 
 class CodecTier(Tier):
     def __init__(self, inner: Tier, codec: Codec) -> None:
-        super().__init__()
+        super().__init__(inner.name)
         self.inner = inner
         self.codec = codec
-        self.name = inner.name
-        self.stats = inner.stats  # one set of counters per tier, whatever wraps it
+        self.medium = inner.medium
+        self.stats = inner.stats  # one set of counters and one event log per tier, whatever wraps it
+        self.events = inner.events
         self.stats.extra["encoded_objects"] = 0
         self.stats.extra["encoded_raw_bytes"] = 0  # what the encoded objects took before
         self.stats.extra["encoded_bytes"] = 0  # and after
@@ -39,7 +40,7 @@ class CodecTier(Tier):
         try:  # checked in full: re-sealing must not bless bytes that were damaged in memory
             header, payload = check_object(data, key)
         except ObjectError:
-            self.stats.rejected_puts += 1
+            self.stats.add(rejected_puts=1)
             return None
         if header.codec_id != 0 or not self.codec.accepts(header.dtype):
             return data
@@ -47,9 +48,7 @@ class CodecTier(Tier):
         view = memoryview(bytearray(object_size(len(stored))))
         view[HEADER_SIZE:] = stored
         reseal(view, header, self.codec.codec_id)
-        self.stats.extra["encoded_objects"] += 1
-        self.stats.extra["encoded_raw_bytes"] += header.object_size
-        self.stats.extra["encoded_bytes"] += len(view)
+        self.stats.add(encoded_objects=1, encoded_raw_bytes=header.object_size, encoded_bytes=len(view))
         return view
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:

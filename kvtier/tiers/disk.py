@@ -24,16 +24,18 @@ import secrets
 import shutil
 import threading
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Annotated, Callable, Sequence
 
+import msgspec
 import numpy as np
 
-from kvtier.errors import ConfigError, ObjectError
-from kvtier.objects import check_object
+from kvtier.errors import ConfigError
+from kvtier.events import Medium
+from kvtier.schema import GB, EvictionPolicyName, PositiveGB
 from kvtier.tiers.arena import ALIGNMENT, align_up
-from kvtier.tiers.base import Tier, TierUsage
+from kvtier.tiers.base import AdapterConfig, Tier, TierUsage
+from kvtier.tiers.capacity import CapacityBook
 from kvtier.tiers.eviction import make_policy
 
 logger = logging.getLogger(__name__)
@@ -54,16 +56,28 @@ def _page_aligned(buf: memoryview) -> bool:
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data % ALIGNMENT == 0
 
 
-@dataclass(eq=False)
-class _File:
-    """One indexed object file. Compared by identity, so a reader that failed on a file can tell
-    whether the key still names that file or was evicted and stored again meanwhile."""
+class FsAdapterConfig(AdapterConfig, tag="fs"):
+    """A local-disk tier. Without ``max_capacity_gb`` it takes a safe share of free space."""
 
-    size: int  # bytes on disk (padded to ALIGNMENT with O_DIRECT)
+    medium = Medium.DISK
+
+    base_path: Annotated[str, msgspec.Meta(min_length=1)]
+    max_capacity_gb: PositiveGB | None = None
+    use_odirect: bool = False
+    eviction_policy: EvictionPolicyName = "LRU"
+
+    def build(self, name: str) -> DiskTier:
+        return DiskTier(
+            self.base_path,
+            max_capacity_bytes=None if self.max_capacity_gb is None else int(self.max_capacity_gb * GB),
+            use_odirect=self.use_odirect,
+            eviction_policy=self.eviction_policy,
+            name=name,
+        )
 
 
 class DiskTier(Tier):
-    name = "L2"
+    medium = Medium.DISK
 
     def __init__(
         self,
@@ -71,14 +85,15 @@ class DiskTier(Tier):
         max_capacity_bytes: int | None = None,
         use_odirect: bool = False,
         eviction_policy: str = "LRU",
+        name: str | None = None,
     ) -> None:
         """``max_capacity_bytes`` None means what the existing cache uses plus half of the free
         space of the filesystem now: a disk tier is never unbounded."""
-        super().__init__()
+        super().__init__(name)
         capacity = max_capacity_bytes
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
             raise ConfigError(f"L2 capacity must be a positive number of bytes, got {max_capacity_bytes!r}")
-        self._policy = make_policy(eviction_policy)
+        self._book = CapacityBook(None, make_policy(eviction_policy))  # the capacity is set below
         self.path = Path(base_path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -89,9 +104,7 @@ class DiskTier(Tier):
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise ConfigError(f"L2 directory {self.path} is not writable")
         self._lock = threading.Lock()
-        self._index: dict[bytes, _File] = {}
         self._writing: set[bytes] = set()
-        self._used = 0  # indexed files plus room reserved by writes in flight
         self._warned_errnos: set[int] = set()
         self._io_failing = False  # set by an I/O error, cleared by a good write
         self._lock_fd: int | None = self._lock_directory()
@@ -99,19 +112,23 @@ class DiskTier(Tier):
             self.odirect = use_odirect and self._odirect_works()  # False after a fallback
             self._load_index()
             if capacity is None:
-                capacity = self._used + int(shutil.disk_usage(self.path).free * DEFAULT_FREE_SPACE_SHARE)
-            self.capacity = capacity
+                capacity = self._book.used + int(shutil.disk_usage(self.path).free * DEFAULT_FREE_SPACE_SHARE)
+            self._book.capacity = capacity
             with self._lock:
                 self._make_room(0)
         except BaseException:
             self.close()
             raise
 
+    @property
+    def capacity(self) -> int:
+        return self._book.capacity
+
     # -- the Tier interface ------------------------------------------------------------------
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [key in self._index for key in keys]
+            return [key in self._book for key in keys]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
         return [self.get_into(key, _new_buffer) for key in keys]
@@ -120,16 +137,23 @@ class DiskTier(Tier):
         return [self._put_one(key, data) for key, data in items]
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        removed = 0
         with self._lock:
-            return sum(key in self._index and self._remove(key) for key in keys)
+            for key in keys:
+                if key in self._book and self._remove(key):
+                    self._removed(key)
+                    removed += 1
+        return removed
 
     def clear(self) -> int:
         with self._lock:
-            return sum(self._remove(key) for key in list(self._index))
+            removed = sum(self._remove(key) for key in self._book.keys())
+            self._cleared()
+        return removed
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(used_bytes=self._used, capacity_bytes=self.capacity, objects=len(self._index))
+            return TierUsage(used_bytes=self._book.used, capacity_bytes=self.capacity, objects=len(self._book))
 
     def close(self) -> None:
         """Release the directory for another ``DiskTier`` (a restart in the same process)."""
@@ -142,77 +166,65 @@ class DiskTier(Tier):
     def get_into(self, key: bytes, allocate: Callable[[int], memoryview]) -> memoryview | None:
         """Read the file straight into ``allocate(file size)`` (an L1 slot: no extra copy)."""
         with self._lock:
-            entry = self._index.get(key)
-            if entry is None:
-                self.stats.misses += 1
-                return None
+            entry = self._book.get(key)
+        if entry is None:
+            self.stats.add(misses=1)
+            return None
         path = self._object_path(key)
         try:
             buf = self._read_file(path, allocate)
-            header, _ = check_object(buf, key)
         except FileNotFoundError:  # deleted behind our back, or evicted before we opened it
+            self.stats.add(misses=1)
             with self._lock:
-                self.stats.misses += 1
-                if self._index.get(key) is entry:
-                    self._forget(key)
-            return None
-        except ObjectError as e:
-            logger.warning("L2 file %s is corrupt or foreign (%s); deleting it", path, e)
-            with self._lock:
-                self.stats.misses += 1
-                self.stats.corrupt += 1
-                if self._index.get(key) is entry:
-                    self._remove(key)
+                if self._book.get(key) is entry:
+                    self._book.forget(key)
+                    self._removed(key)
             return None
         except OSError as e:  # possibly transient (EMFILE, EIO): keep the entry, its file still counts
             with self._lock:
                 self._warn_io_error("read", path, e)
-                self.stats.misses += 1
-                self.stats.errors += 1
+            self.stats.add(misses=1, errors=1)
             return None
+        header = self._checked_read(key, buf, path)
         with self._lock:
-            if self._index.get(key) is entry:
-                self._policy.accessed(key)
-            self.stats.hits += 1
-            self.stats.get_bytes += header.object_size
+            current = self._book.get(key) is entry
+            if header is None:
+                if current and self._remove(key):
+                    self._removed(key)
+                return None
+            if current:
+                self._book.accessed(key)
         return buf[: header.object_size]
 
     def _put_one(self, key: bytes, data: bytes | memoryview) -> bool:
-        view = memoryview(data).cast("B")
-        try:
-            header, _ = check_object(view, key, verify_checksum=False)  # the caller sealed it
-        except ObjectError:
-            with self._lock:
-                self.stats.rejected_puts += 1
+        obj = self._whole_object(key, data)
+        if obj is None:
             return False
-        obj = view[: header.object_size]
         size = align_up(len(obj)) if self.odirect else len(obj)
         with self._lock:
-            if key in self._index:
+            if key in self._book:
                 return True
             if key in self._writing:  # another thread is storing the same object right now
                 return False
             if not self._make_room(size):
-                self.stats.rejected_puts += 1
+                self.stats.add(rejected_puts=1)
                 return False
             self._writing.add(key)
-            self._used += size
+            self._book.reserve(size)
         try:
             self._write_file(key, obj, size)
         except OSError as e:
             with self._lock:
                 self._warn_io_error("write", self._object_path(key), e)
                 self._writing.discard(key)
-                self._used -= size
-                self.stats.errors += 1
+                self._book.unreserve(size)
+            self.stats.add(errors=1)
             return False
         with self._lock:
             self._writing.discard(key)
-            self._index[key] = _File(size)
-            self._policy.inserted(key)
-            self.stats.puts += 1
-            self.stats.put_bytes += len(obj)
+            self._book.add(key, size, reserved=True)
             self._io_failing = False
+        self._stored(key, len(obj))
         return True
 
     def _object_path(self, key: bytes) -> Path:
@@ -334,10 +346,7 @@ class DiskTier(Tier):
                 else:
                     foreign += 1
         for _, name, size in sorted(found):
-            key = bytes.fromhex(name[:64])
-            self._index[key] = _File(size)
-            self._policy.inserted(key)
-            self._used += size
+            self._book.add(bytes.fromhex(name[:64]), size)
         if foreign:
             logger.warning(
                 "L2 directory %s holds %d entries that are not kvtier's; leaving them", self.path, foreign
@@ -349,21 +358,14 @@ class DiskTier(Tier):
 
     def _make_room(self, size: int) -> bool:
         """Evict by policy until ``size`` more bytes fit; False if they cannot."""
-        if size > self.capacity:
+        victims = self._book.victims(size)
+        if victims is None:
             return False
-        excess = self._used + size - self.capacity
-        victims = []
-        for key in self._policy.candidates():
-            if excess <= 0:
-                break
-            victims.append(key)
-            excess -= self._index[key].size
         for key in victims:
-            size_on_disk = self._index[key].size
+            size_on_disk = self._book.get(key).size
             if self._remove(key):
-                self.stats.evictions += 1
-                self.stats.evicted_bytes += size_on_disk
-        return self._used + size <= self.capacity
+                self._evicted(key, size_on_disk)
+        return self._book.fits(size)
 
     def _remove(self, key: bytes) -> bool:
         """Delete an indexed object's file and entry. If the file cannot be deleted the entry
@@ -374,14 +376,10 @@ class DiskTier(Tier):
             pass
         except OSError as e:
             self._warn_io_error("delete", self._object_path(key), e)
-            self.stats.errors += 1
+            self.stats.add(errors=1)
             return False
-        self._forget(key)
+        self._book.forget(key)
         return True
-
-    def _forget(self, key: bytes) -> None:
-        self._used -= self._index.pop(key).size
-        self._policy.removed(key)
 
     @property
     def healthy(self) -> bool:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import abstractmethod
 from typing import Callable
 
-from kvtier.tiers.base import TierStats
+from kvtier.tiers.base import Tier, TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +109,22 @@ class Health:
             "%s is unreachable (%s: %s); skipping it, next try in %.0f s",
             self.name, type(error).__name__, error, self._backoff,
         )
+
+
+class RemoteTier(Tier):
+    """A tier behind a network, skipped while it does not answer. A subclass sets up its
+    client, then calls ``self.health.check()`` once."""
+
+    def __init__(
+        self, name: str | None, description: str, initial_backoff_s: float, max_backoff_s: float
+    ) -> None:
+        super().__init__(name)
+        self.health = Health(description, self._probe, self.stats, initial_backoff_s, max_backoff_s)
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
+
+    @abstractmethod
+    def _probe(self) -> None:
+        """Raise if the store does not answer."""

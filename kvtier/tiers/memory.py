@@ -12,11 +12,34 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
+import msgspec
+
 from kvtier.errors import ConfigError
+from kvtier.events import Medium
 from kvtier.objects import ensure_sealed, read_header
+from kvtier.schema import GB, EvictionPolicyName, Fraction, NonNegativeFraction, PositiveGB
 from kvtier.tiers.arena import Allocator, align_up, allocate_buffer
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.eviction import make_policy
+
+
+class L1Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The memory tier every store has (L1)."""
+
+    size_gb: PositiveGB
+    eviction_policy: EvictionPolicyName = "LRU"
+    eviction_trigger_watermark: Fraction = 0.8
+    eviction_ratio: NonNegativeFraction = 0.2
+
+    def build(self, buffer=None) -> MemoryTier:
+        """``buffer``: the arena's memory (shared memory in a server); anonymous by default."""
+        return MemoryTier(
+            int(self.size_gb * GB),
+            eviction_policy=self.eviction_policy,
+            eviction_trigger_watermark=self.eviction_trigger_watermark,
+            eviction_ratio=self.eviction_ratio,
+            buffer=buffer,
+        )
 
 
 @dataclass
@@ -54,7 +77,7 @@ class Lease:
 
 
 class MemoryTier(Tier):
-    name = "L1"
+    medium = Medium.MEMORY
 
     def __init__(
         self,
@@ -110,8 +133,7 @@ class MemoryTier(Tier):
             slot = self._slots[reservation.key]
             slot.committed = True
             self._policy.inserted(reservation.key)
-            self.stats.puts += 1
-            self.stats.put_bytes += slot.size
+            self._stored(reservation.key, slot.size)
 
     def abort(self, reservation: Reservation) -> None:
         """Give back a slot that will not be committed."""
@@ -186,12 +208,19 @@ class MemoryTier(Tier):
         return results
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        removed = 0
         with self._lock:
-            return sum(self._remove(key) for key in keys)
+            for key in keys:
+                if self._remove(key):
+                    self._removed(key)
+                    removed += 1
+        return removed
 
     def clear(self) -> int:
         with self._lock:
-            return sum(self._remove(key) for key in list(self._slots))
+            removed = sum(self._remove(key) for key in list(self._slots))
+            self._cleared()
+        return removed
 
     def usage(self) -> TierUsage:
         with self._lock:
@@ -237,8 +266,7 @@ class MemoryTier(Tier):
     def _evict_one(self, key: bytes) -> None:
         size = self._slots[key].size
         if self._remove(key):
-            self.stats.evictions += 1
-            self.stats.evicted_bytes += size
+            self._evicted(key, size)
 
     def _remove(self, key: bytes) -> bool:
         """Make a committed object invisible; its memory is freed now, or by the last release

@@ -18,20 +18,22 @@ answers again.
 from __future__ import annotations
 
 import logging
-import threading
-from typing import Any, Callable, Sequence
+import os
+from typing import Annotated, Any, Callable, Literal, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
+import msgspec
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError, TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from kvtier.errors import ObjectError
-from kvtier.objects import check_object
-from kvtier.tiers.base import Tier, TierUsage
-from kvtier.tiers.health import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Health
+from kvtier.errors import ConfigError
+from kvtier.events import Medium
+from kvtier.schema import PositiveSeconds
+from kvtier.tiers.base import AdapterConfig, TierUsage
+from kvtier.tiers.health import INITIAL_BACKOFF_S, MAX_BACKOFF_S, RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +51,69 @@ def redacted_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=user + netloc))
 
 
-class RedisTier(Tier):
-    name = "redis"
+class RedisAdapterConfig(AdapterConfig, tag="redis"):
+    """A Redis or Valkey tier (``cluster`` for Redis Cluster). Its capacity is the server's
+    ``maxmemory`` with an ``allkeys-lru`` policy. The password, if any, comes from the environment
+    variable named by ``password_env``, never from the config (which /status may show)."""
+
+    medium = Medium.REDIS
+
+    url: Annotated[str, msgspec.Meta(min_length=1)]
+    key_prefix: str = "kvtier:"
+    ttl_s: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    cluster: bool = False
+    password_env: str | None = None
+    socket_timeout_s: PositiveSeconds = 2.0
+    connect_timeout_s: PositiveSeconds = 1.0
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_cert_reqs: Literal["required", "optional", "none"] = "required"
+    ssl_check_hostname: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ConfigError(f"redis url must start with redis:// or rediss:// (TLS), got {self.url!r}")
+        if parts.password is not None:
+            raise ConfigError("redis url must not hold a password; name an environment variable in password_env")
+        tls_options = (self.ssl_ca_certs, self.ssl_certfile, self.ssl_keyfile)
+        if parts.scheme == "redis" and any(option is not None for option in tls_options):
+            raise ConfigError("ssl_* options need a rediss:// url")
+        if self.cluster and parts.path not in ("", "/", "/0"):
+            raise ConfigError("Redis Cluster has only database 0; drop the database from the url")
+
+    def build(self, name: str) -> RedisTier:
+        password = None
+        if self.password_env is not None:
+            password = os.environ.get(self.password_env)
+            if password is None:
+                raise ConfigError(f"redis password_env names {self.password_env}, which is not set")
+        ssl = None
+        if self.url.startswith("rediss://"):
+            ssl = {
+                "ssl_ca_certs": self.ssl_ca_certs,
+                "ssl_certfile": self.ssl_certfile,
+                "ssl_keyfile": self.ssl_keyfile,
+                "ssl_cert_reqs": self.ssl_cert_reqs,
+                "ssl_check_hostname": self.ssl_check_hostname,
+            }
+        return RedisTier(
+            self.url,
+            key_prefix=self.key_prefix,
+            ttl_s=self.ttl_s,
+            cluster=self.cluster,
+            password=password,
+            ssl=ssl,
+            socket_timeout_s=self.socket_timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
+            name=name,
+        )
+
+
+class RedisTier(RemoteTier):
+    medium = Medium.REDIS
 
     def __init__(
         self,
@@ -64,11 +127,12 @@ class RedisTier(Tier):
         connect_timeout_s: float = 1.0,
         initial_backoff_s: float = INITIAL_BACKOFF_S,
         max_backoff_s: float = MAX_BACKOFF_S,
+        name: str | None = None,
     ) -> None:
         """``ssl`` holds redis-py's ``ssl_*`` keyword arguments (for ``rediss://`` URLs).
         Probes the server once here: one that is down at start makes the tier unhealthy, not an
         error."""
-        super().__init__()
+        super().__init__(name, f"redis tier {redacted_url(url)}", initial_backoff_s, max_backoff_s)
         self.url = url
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
@@ -82,16 +146,8 @@ class RedisTier(Tier):
         if password is not None:
             self._options["password"] = password
         self._client: redis.Redis | RedisCluster | None = None
-        self._lock = threading.Lock()
         self._warned_refusal = False
-        self.health = Health(
-            f"redis tier {redacted_url(url)}", self._probe, self.stats, initial_backoff_s, max_backoff_s
-        )
         self.health.check()
-
-    @property
-    def healthy(self) -> bool:
-        return self.health.healthy
 
     # -- the Tier interface ------------------------------------------------------------------
 
@@ -110,7 +166,7 @@ class RedisTier(Tier):
 
         values = self._call(lambda client: self._pipeline(client, read, keys))
         if values is None:
-            self._count(misses=len(keys))
+            self.stats.add(misses=len(keys))
             return [None] * len(keys)
         out: list[bytes | memoryview | None] = []
         bad = []
@@ -123,16 +179,7 @@ class RedisTier(Tier):
         return out
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        objects = []
-        for key, data in items:
-            view = memoryview(data).cast("B")
-            try:
-                header, _ = check_object(view, key, verify_checksum=False)  # the caller sealed it
-            except ObjectError:
-                self._count(rejected_puts=1)
-                objects.append(None)
-                continue
-            objects.append(view[: header.object_size])
+        objects = [self._whole_object(key, data) for key, data in items]
         todo = [(key, obj) for (key, _), obj in zip(items, objects) if obj is not None]
         if not todo:
             return [False] * len(items)
@@ -155,20 +202,23 @@ class RedisTier(Tier):
                 continue
             (key, obj), result = next(stored)
             if isinstance(result, Exception):  # OOM with a noeviction policy, say
-                self._count(rejected_puts=1)
+                self.stats.add(rejected_puts=1)
                 self._warn_refused(result)
                 out.append(False)
                 continue
             if result:  # None: the object was there already
-                self._count(puts=1, put_bytes=len(obj))
+                self._stored(key, len(obj))
             out.append(True)
         return out
 
     def delete(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
-        removed = self._call(lambda client: client.delete(*[self._name(key) for key in keys]))
-        return removed or 0
+        removed = self._call(lambda client: self._pipeline(client, lambda p, name: p.delete(name), keys))
+        gone = [key for key, n in zip(keys, removed or []) if n == 1]
+        for key in gone:
+            self._removed(key)
+        return len(gone)
 
     def clear(self) -> int:
         """Delete every kvtier object under the key prefix (SCAN, so the server is never
@@ -184,7 +234,11 @@ class RedisTier(Tier):
                     batch.clear()
             return removed + (client.delete(*batch) if batch else 0)
 
-        return self._call(clear_all) or 0
+        removed = self._call(clear_all)
+        if removed is None:
+            return 0
+        self._cleared()
+        return removed
 
     def usage(self) -> TierUsage:
         """The server's memory and key count (every key in the database, not only kvtier's);
@@ -214,18 +268,11 @@ class RedisTier(Tier):
     def _checked(self, key: bytes, value: Any) -> bytes | memoryview | None:
         """A value read under ``key`` if it is a whole object for it; counts the hit or miss."""
         if value is None:
-            self._count(misses=1)
+            self.stats.add(misses=1)
             return None
-        try:
-            if isinstance(value, Exception):  # a key of another type under our prefix: foreign
-                raise ObjectError(str(value))
-            header, _ = check_object(value, key)
-        except ObjectError as e:
-            logger.warning("redis object %s is corrupt or foreign (%s); deleting it", self._name(key), e)
-            self._count(misses=1, corrupt=1)
-            return None
-        self._count(hits=1, get_bytes=header.object_size)
-        return memoryview(value)[: header.object_size]
+        # a key of another type under our prefix (an error here) is as foreign as a bad value
+        header = self._checked_read(key, b"" if isinstance(value, Exception) else value, self._name(key))
+        return None if header is None else memoryview(value)[: header.object_size]
 
     def _call(self, operation: Callable[[Any], Any]) -> Any:
         """``operation(client)``, or None when the server is skipped or fails to answer."""
@@ -234,13 +281,13 @@ class RedisTier(Tier):
         try:
             return operation(self._client)
         except RedisTimeoutError as e:
-            self._count(errors=1)
+            self.stats.add(errors=1)
             self.health.failed(e, timeout=True)
         except ResponseError as e:  # the server answered: it is up, the command was refused
             logger.warning("redis tier: %s", e)
-            self._count(errors=1)
+            self.stats.add(errors=1)
         except RedisError as e:
-            self._count(errors=1)
+            self.stats.add(errors=1)
             self.health.failed(e)
         return None
 
@@ -271,12 +318,6 @@ class RedisTier(Tier):
                 "redis tier: maxmemory-policy is %s, so writes fail once the server is full; "
                 "allkeys-lru evicts old objects instead", policy,
             )
-
-    def _count(self, **deltas: int) -> None:
-        """Bump counters: callers come from many threads (a server's handlers)."""
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     def _warn_refused(self, error: Exception) -> None:
         if not self._warned_refusal:

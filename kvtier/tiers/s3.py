@@ -24,7 +24,8 @@ import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Literal, Sequence
+from urllib.parse import urlsplit
 
 import boto3
 from boto3.exceptions import Boto3Error
@@ -32,11 +33,15 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ParamValidationError, ReadTimeoutError
 
-from kvtier.errors import ConfigError, ObjectError
-from kvtier.objects import check_object
-from kvtier.tiers.base import Tier, TierUsage
+import msgspec
+
+from kvtier.errors import ConfigError
+from kvtier.events import Medium
+from kvtier.schema import GB, PositiveGB, PositiveSeconds
+from kvtier.tiers.base import AdapterConfig, TierUsage
+from kvtier.tiers.capacity import CapacityBook
 from kvtier.tiers.eviction import LRU
-from kvtier.tiers.health import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Health
+from kvtier.tiers.health import INITIAL_BACKOFF_S, MAX_BACKOFF_S, RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +62,51 @@ def _code(error: ClientError) -> str:
     return str(error.response.get("Error", {}).get("Code", ""))
 
 
-class S3Tier(Tier):
-    name = "s3"
+class S3AdapterConfig(AdapterConfig, tag="s3"):
+    """An S3-compatible tier (AWS S3, MinIO, Ceph RGW, SeaweedFS). Credentials come from the
+    standard AWS chain (environment, shared config files, instance roles), never from here.
+    Without ``max_capacity_gb`` the bucket's own limits or lifecycle rules bound it."""
+
+    medium = Medium.S3
+
+    bucket: Annotated[str, msgspec.Meta(min_length=3, max_length=63)]
+    prefix: str = "kvtier/"
+    endpoint_url: str | None = None
+    region: str | None = None
+    max_capacity_gb: PositiveGB | None = None
+    multipart_threshold_mb: Annotated[int, msgspec.Meta(ge=5)] = 64
+    multipart_chunk_mb: Annotated[int, msgspec.Meta(ge=5)] = 16
+    max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    connect_timeout_s: PositiveSeconds = 1.0
+    read_timeout_s: PositiveSeconds = 5.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.endpoint_url is not None and urlsplit(self.endpoint_url).scheme not in ("http", "https"):
+            raise ConfigError(f"s3 endpoint_url must start with http:// or https://, got {self.endpoint_url!r}")
+        if self.endpoint_url is not None and urlsplit(self.endpoint_url).password is not None:
+            raise ConfigError("s3 endpoint_url must not hold credentials; use the AWS environment or config files")
+
+    def build(self, name: str) -> S3Tier:
+        return S3Tier(
+            self.bucket,
+            prefix=self.prefix,
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            max_capacity_bytes=None if self.max_capacity_gb is None else int(self.max_capacity_gb * GB),
+            multipart_threshold_bytes=self.multipart_threshold_mb * MiB,
+            multipart_chunk_bytes=self.multipart_chunk_mb * MiB,
+            max_concurrency=self.max_concurrency,
+            addressing_style=self.addressing_style,
+            connect_timeout_s=self.connect_timeout_s,
+            read_timeout_s=self.read_timeout_s,
+            name=name,
+        )
+
+
+class S3Tier(RemoteTier):
+    medium = Medium.S3
 
     def __init__(
         self,
@@ -75,15 +123,15 @@ class S3Tier(Tier):
         read_timeout_s: float = 5.0,
         initial_backoff_s: float = INITIAL_BACKOFF_S,
         max_backoff_s: float = MAX_BACKOFF_S,
+        name: str | None = None,
     ) -> None:
         """Creates no bucket. Probes the store once here: one that is down at start makes the
         tier unhealthy, not an error."""
-        super().__init__()
+        super().__init__(name, f"s3 tier {endpoint_url or 'aws'}/{bucket}/{prefix}", initial_backoff_s, max_backoff_s)
         if max_capacity_bytes is not None and max_capacity_bytes < 1:
             raise ConfigError(f"s3 capacity must be a positive number of bytes, got {max_capacity_bytes!r}")
         self.bucket = bucket
         self.prefix = prefix
-        self.capacity = max_capacity_bytes
         config = Config(
             connect_timeout=connect_timeout_s,
             read_timeout=read_timeout_s,
@@ -103,20 +151,14 @@ class S3Tier(Tier):
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="kvtier-s3")
         self._lock = threading.Lock()
         self._conditional = True
-        self._index: dict[bytes, int] = {}  # key -> size of the objects known to be there
-        self._policy = LRU()
-        self._used = 0  # indexed objects plus room reserved by uploads in flight
+        self._book = CapacityBook(max_capacity_bytes, LRU())  # the objects known to be there
         self._listed = max_capacity_bytes is None  # only a bounded tier needs to know what is there
         self.stats.extra["foreign_objects"] = 0
-        self.health = Health(
-            f"s3 tier {endpoint_url or 'aws'}/{bucket}/{prefix}",
-            self._probe, self.stats, initial_backoff_s, max_backoff_s,
-        )
         self.health.check()
 
     @property
-    def healthy(self) -> bool:
-        return self.health.healthy
+    def capacity(self) -> int | None:
+        return self._book.capacity
 
     # -- the Tier interface ------------------------------------------------------------------
 
@@ -133,17 +175,7 @@ class S3Tier(Tier):
         return self._each(lambda k: self._read(k, allocate), [key], default=None, on_failure=self._missed)[0]
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        objects = []
-        for key, data in items:
-            view = memoryview(data).cast("B")
-            try:
-                header, _ = check_object(view, key, verify_checksum=False)  # the caller sealed it
-            except ObjectError:
-                with self._lock:
-                    self.stats.rejected_puts += 1
-                objects.append(None)
-                continue
-            objects.append((key, view[: header.object_size]))
+        objects = [(key, obj) if (obj := self._whole_object(key, data)) is not None else None for key, data in items]
         todo = [obj for obj in objects if obj is not None]
         results = iter(self._each(lambda item: self._write(*item), todo, default=False, on_failure=self.health.dropped))
         return [obj is not None and bool(next(results)) for obj in objects]
@@ -151,10 +183,12 @@ class S3Tier(Tier):
     def delete(self, keys: Sequence[bytes]) -> int:
         """Returns how many of ``keys`` this tier knew of (S3 does not say what it deleted)."""
         with self._lock:
-            known = sum(self._forget(key) for key in keys)
+            known = [key for key in keys if self._book.forget(key) is not None]
+        for key in known:
+            self._removed(key)
         if keys and self.health.available():
             self._delete_names([self._name(key) for key in keys])
-        return known
+        return len(known)
 
     def clear(self) -> int:
         """Delete every kvtier object under the prefix (other objects stay)."""
@@ -165,14 +199,15 @@ class S3Tier(Tier):
             return 0
         self._delete_names(names)
         with self._lock:
-            for key in list(self._index):
-                self._forget(key)
+            for key in self._book.keys():
+                self._book.forget(key)
+        self._cleared()
         return len(names)
 
     def usage(self) -> TierUsage:
         """What the index holds; capacity 0 means no kvtier-side limit."""
         with self._lock:
-            return TierUsage(self._used, self.capacity or 0, len(self._index))
+            return TierUsage(self._book.used, self.capacity or 0, len(self._book))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -203,9 +238,9 @@ class S3Tier(Tier):
         except ClientError as e:
             if not _missing(e):
                 raise
+            self.stats.add(misses=1)
             with self._lock:
-                self.stats.misses += 1
-                self._forget(key)
+                self._book.forget(key)
             return None
         size = response["ContentLength"]
         body = response["Body"]
@@ -216,51 +251,45 @@ class S3Tier(Tier):
                 done += n
         finally:
             body.close()
-        try:
-            header, _ = check_object(dest[:done], key)
-        except ObjectError as e:
-            logger.warning("s3 object %s is corrupt or foreign (%s); deleting it", self._name(key), e)
+        header = self._checked_read(key, dest[:done], self._name(key))
+        if header is None:
             with self._lock:
-                self.stats.misses += 1
-                self.stats.corrupt += 1
-                self._forget(key)
+                self._book.forget(key)
             self._delete_names([self._name(key)])
+            self._removed(key)
             return None
         with self._lock:
-            self.stats.hits += 1
-            self.stats.get_bytes += header.object_size
-            if key not in self._index:  # another host stored it: it takes room all the same
-                self._index[key] = size
-                self._used += size
-                self._policy.inserted(key)
-            self._policy.accessed(key)
+            if key not in self._book:  # another host stored it: it takes room all the same
+                self._book.add(key, size)
+            self._book.accessed(key)
         return dest[: header.object_size]
 
     def _write(self, key: bytes, obj: memoryview) -> bool:
         with self._lock:
-            if key in self._index:
+            if key in self._book:
                 return True
-            victims = self._make_room(len(obj))
+            victims = self._book.victims(len(obj))
             if victims is None:
-                self.stats.rejected_puts += 1
+                self.stats.add(rejected_puts=1)
                 return False
-            self._used += len(obj)
-        self._delete_names([self._name(victim) for victim in victims])
+            evicted = [(victim, self._book.forget(victim).size) for victim in victims]
+            self._book.reserve(len(obj))
+        self._delete_names([self._name(victim) for victim, _ in evicted])
+        for victim, size in evicted:
+            self._evicted(victim, size)
         try:
             created = self._upload(key, obj)
         except BaseException:
             with self._lock:
-                self._used -= len(obj)
+                self._book.unreserve(len(obj))
             raise
         with self._lock:
-            if key in self._index:  # a read indexed it meanwhile
-                self._used -= len(obj)
+            if key in self._book:  # a read indexed it meanwhile
+                self._book.unreserve(len(obj))
             else:
-                self._index[key] = len(obj)
-                self._policy.inserted(key)
-            if created:
-                self.stats.puts += 1
-                self.stats.put_bytes += len(obj)
+                self._book.add(key, len(obj), reserved=True)
+        if created:
+            self._stored(key, len(obj))
         return True
 
     def _upload(self, key: bytes, obj: memoryview) -> bool:
@@ -293,36 +322,6 @@ class S3Tier(Tier):
             batch = [{"Key": name} for name in names[start : start + DELETE_BATCH]]
             self._call(lambda: self._s3.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}))
 
-    # -- capacity (inside the lock) ----------------------------------------------------------
-
-    def _make_room(self, size: int) -> list[bytes] | None:
-        """Drop LRU objects from the index until ``size`` more bytes fit; the victims, for the
-        caller to delete outside the lock, or None if ``size`` can never fit."""
-        if self.capacity is None:
-            return []
-        if size > self.capacity:
-            return None
-        victims = []
-        excess = self._used + size - self.capacity
-        for key in self._policy.candidates():
-            if excess <= 0:
-                break
-            victims.append(key)
-            excess -= self._index[key]
-        for key in victims:
-            self.stats.evictions += 1
-            self.stats.evicted_bytes += self._index[key]
-            self._forget(key)
-        return victims
-
-    def _forget(self, key: bytes) -> bool:
-        size = self._index.pop(key, None)
-        if size is None:
-            return False
-        self._used -= size
-        self._policy.removed(key)
-        return True
-
     # -- talking to the store ----------------------------------------------------------------
 
     def _list(self) -> list[tuple[str, int, Any]]:
@@ -346,10 +345,8 @@ class S3Tier(Tier):
                 key = self._key_of(name)
                 if key is None:
                     foreign += 1
-                elif key not in self._index:
-                    self._index[key] = size
-                    self._used += size
-                    self._policy.inserted(key)
+                elif key not in self._book:
+                    self._book.add(key, size)
             self.stats.extra["foreign_objects"] = foreign
         if foreign:
             logger.warning("s3 prefix %s holds %d objects that are not kvtier's; leaving them", self.prefix, foreign)
@@ -386,13 +383,11 @@ class S3Tier(Tier):
             failure, timeout = e, True
         except (BotoCoreError, ClientError, Boto3Error) as e:  # Boto3Error: a failed multipart upload
             failure, timeout = e, False
-        with self._lock:
-            self.stats.errors += 1
+        self.stats.add(errors=1)
         self.health.failed(failure, timeout=timeout)
         if on_failure is not None:
             on_failure(1)
         return default
 
     def _missed(self, count: int) -> None:
-        with self._lock:
-            self.stats.misses += count
+        self.stats.add(misses=count)

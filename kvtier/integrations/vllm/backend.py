@@ -69,7 +69,7 @@ class Backend:
 
 
 def _open_shared(config: ConnectorConfig):
-    from kvtier.tiers.factory import build_store
+    from kvtier.build import build_store
 
     key = msgspec.json.encode(config.store_config())
     with _shared_lock:

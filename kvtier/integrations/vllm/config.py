@@ -17,12 +17,13 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvtier.config import AdapterConfig, EvictionPolicyName, L1Config, PositiveGB, StoreConfig, convert
+from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
+from kvtier.schema import EvictionPolicyName, PositiveGB, PositiveSeconds, convert
+from kvtier.tiers.memory import L1Config
+from kvtier.tiers.registry import Adapter
 
 PREFIX = "kvtier."
-
-PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 
@@ -38,7 +39,7 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     chunk_size: Annotated[int, msgspec.Meta(ge=1)] = 256
     l1_size_gb: PositiveGB = 1.0
     l1_eviction_policy: EvictionPolicyName = "LRU"
-    l2_adapters: list[AdapterConfig] = []
+    l2_adapters: list[Adapter] = []
     # -- both
     role: KVRole = "kv_both"
     """vLLM's ``kv_role`` (not a ``kvtier.*`` key): ``kv_producer`` stores and never loads (a

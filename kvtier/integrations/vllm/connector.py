@@ -20,8 +20,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import ConfigError
+from kvtier.events import Medium
 from kvtier.integrations.vllm.common import KvtierConnectorMetadata, engine_layout
 from kvtier.integrations.vllm.config import ConnectorConfig, parse_extra_config
+from kvtier.tiers.base import medium_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,7 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
-_TIER_SOURCES = {"L1": CacheHitSource.HOST, "L2": CacheHitSource.DISK}
+#: vLLM's name for where hits of each medium come from (tier ids name their medium)
+_HIT_SOURCES = {Medium.MEMORY: CacheHitSource.HOST, Medium.DISK: CacheHitSource.DISK}
 
 
 class KvtierConnector(KVConnectorBase_V1):
@@ -123,8 +126,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         if not num_external_tokens:
             return {}
-        tiers = self.connector_scheduler.hit_tiers(request, num_external_tokens) or ["L1"]
-        source = CacheHitSource.outermost(_TIER_SOURCES.get(t, CacheHitSource.EXTERNAL_UNSPECIFIED) for t in tiers)
+        tiers = self.connector_scheduler.hit_tiers(request, num_external_tokens) or [Medium.MEMORY.value]
+        sources = (_HIT_SOURCES.get(medium_of(t), CacheHitSource.EXTERNAL_UNSPECIFIED) for t in tiers)
+        source = CacheHitSource.outermost(sources)
         return {source: num_external_tokens}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:

@@ -1,0 +1,88 @@
+"""The capacity book of a tier that bounds itself (disk, S3): which objects it holds, the bytes
+they and the writes in flight take, and which objects go first when a put needs room.
+
+Room is reserved before a write starts and turned into an entry when it is done, so what the
+medium holds, writes in flight included, never adds up to more than the capacity. The book only
+counts: the tier removes the victims from its medium and reports them. Not thread-safe: the
+owner calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.tiers.eviction import EvictionPolicy
+
+
+@dataclass(eq=False)
+class Entry:
+    """One object held. Compared by identity, so a reader that failed on an object can tell
+    whether its key still names that object or was evicted and stored again meanwhile."""
+
+    size: int  # bytes it takes on the medium
+
+
+class CapacityBook:
+    def __init__(self, capacity: int | None, policy: EvictionPolicy) -> None:
+        """``capacity`` None: the medium bounds itself (nothing is ever evicted here)."""
+        self.capacity = capacity
+        self.policy = policy
+        self.used = 0  # entries plus room reserved by writes in flight
+        self._entries: dict[bytes, Entry] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[bytes]:
+        return list(self._entries)
+
+    def get(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    def accessed(self, key: bytes) -> None:
+        if key in self._entries:
+            self.policy.accessed(key)
+
+    def reserve(self, size: int) -> None:
+        """Count a write in flight (after ``victims`` made room for it)."""
+        self.used += size
+
+    def unreserve(self, size: int) -> None:
+        self.used -= size
+
+    def add(self, key: bytes, size: int, reserved: bool = False) -> Entry:
+        """Index an object (newest for the policy); ``reserved``: its room was reserved."""
+        entry = self._entries[key] = Entry(size)
+        self.policy.inserted(key)
+        if not reserved:
+            self.used += size
+        return entry
+
+    def forget(self, key: bytes) -> Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.used -= entry.size
+            self.policy.removed(key)
+        return entry
+
+    def victims(self, size: int) -> list[bytes] | None:
+        """Keys to remove, first victim first, so that ``size`` more bytes fit; None if they
+        never can (bigger than the capacity)."""
+        if self.capacity is None:
+            return []
+        if size > self.capacity:
+            return None
+        excess = self.used + size - self.capacity
+        chosen = []
+        for key in self.policy.candidates():
+            if excess <= 0:
+                break
+            chosen.append(key)
+            excess -= self._entries[key].size
+        return chosen
+
+    def fits(self, size: int) -> bool:
+        return self.capacity is None or self.used + size <= self.capacity

@@ -1,0 +1,66 @@
+"""Tier identity and the adapter registry: every tier has a unique id that names its medium."""
+
+import pytest
+
+from kvtier.build import build_store
+from kvtier.config import StoreConfig, parse_adapter
+from kvtier.errors import ConfigError
+from kvtier.events import Medium
+from kvtier.schema import convert
+from kvtier.tiers.base import medium_of
+from kvtier.tiers.registry import ADAPTER_TYPES, tier_ids
+
+
+def adapters(*items):
+    return [parse_adapter(item) for item in items]
+
+
+def test_every_medium_module_registers_its_adapter_type():
+    assert {tag: cls.medium for tag, cls in ADAPTER_TYPES.items()} == {
+        "fs": Medium.DISK, "redis": Medium.REDIS, "s3": Medium.S3,
+    }
+
+
+def test_a_tier_alone_on_its_medium_is_named_by_the_medium():
+    assert tier_ids(adapters('{"type":"fs","base_path":"/a"}', '{"type":"s3","bucket":"abc"}')) == ["disk", "s3"]
+
+
+def test_two_disk_tiers_are_told_apart_by_index_or_by_name():
+    two = adapters('{"type":"fs","base_path":"/a"}', '{"type":"fs","base_path":"/b"}')
+    assert tier_ids(two) == ["disk-0", "disk-1"]
+    named = adapters('{"type":"fs","base_path":"/a","name":"nvme"}', '{"type":"fs","base_path":"/b"}')
+    assert tier_ids(named) == ["disk-nvme", "disk"]
+    assert [medium_of(t) for t in tier_ids(two + named)] == [Medium.DISK] * 4
+    assert medium_of("memory") is Medium.MEMORY and medium_of("tape-1") is None
+
+
+def test_clashing_ids_and_bad_names_are_config_errors():
+    with pytest.raises(ConfigError, match="'disk-0'"):
+        convert({"l1": {"size_gb": 1}, "l2_adapters": [
+            {"type": "fs", "base_path": "/a", "name": "0"}, {"type": "fs", "base_path": "/b"},
+            {"type": "fs", "base_path": "/c"}]}, StoreConfig)
+    with pytest.raises(ConfigError, match="name"):
+        parse_adapter('{"type":"fs","base_path":"/a","name":"no spaces"}')
+    with pytest.raises(ConfigError, match=r"adapter type must be one of \['fs', 'redis', 's3'\]"):
+        parse_adapter('{"type":"tape"}')
+
+
+def test_store_tiers_carry_their_ids_and_media(tmp_path):
+    config = convert({"l1": {"size_gb": 0.001}, "l2_adapters": [
+        {"type": "fs", "base_path": str(tmp_path / "a")},
+        {"type": "fs", "base_path": str(tmp_path / "b"), "name": "slow", "codec": "zstd"}]}, StoreConfig)
+    store = build_store(config)
+    try:
+        assert [(t.name, t.medium) for t in store.tiers] == [
+            ("memory", Medium.MEMORY), ("disk", Medium.DISK), ("disk-slow", Medium.DISK)]
+    finally:
+        store.close()
+
+
+def test_a_tier_that_fails_to_build_releases_the_ones_built_before(tmp_path):
+    config = convert({"l1": {"size_gb": 0.001}, "l2_adapters": [
+        {"type": "fs", "base_path": str(tmp_path / "a")}, {"type": "fs", "base_path": str(tmp_path / "a")}]},
+        StoreConfig)
+    with pytest.raises(ConfigError, match="in use by another DiskTier"):
+        build_store(config)
+    build_store(config.__class__(l1=config.l1, l2_adapters=config.l2_adapters[:1])).close()  # lock released
