@@ -114,7 +114,7 @@ class SkipLedger:
         count = sum(len(ids) for ids in self.skips.values())
         terminalreporter.section(f"{count} skipped: these tests did not run", yellow=True, bold=True)
         for reason, ids in sorted(self.skips.items()):
-            terminalreporter.write_line(f"{reason}:")
+            terminalreporter.write_line(reason)
             for nodeid in ids:
                 terminalreporter.write_line(f"    {nodeid}")
         if self.fail_on_skip:
