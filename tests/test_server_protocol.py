@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import msgspec
 import numpy as np
@@ -11,6 +12,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from data_port_junk import dealer, pong_through, send_raw, zmtp1_without_envelope
 from kvtier.client import KvtierClient
 from kvtier.config import ServerConfig, convert
 from kvtier.server import protocol as p
@@ -33,12 +35,27 @@ def server():
     server.stop()
 
 
+@contextmanager
+def server_that_must_stop_in_time():
+    """A server of its own, whose stop at the end must be complete and take under 5 s (as a
+    SIGTERM's would: see test_server_shutdown.py for the process)."""
+    server = start_server()
+    try:
+        yield server
+    except BaseException:
+        server.stop()
+        raise
+    start = time.monotonic()
+    stopped = server.stop()
+    assert time.monotonic() - start < 5, f"the stop took {time.monotonic() - start:.1f} s"
+    assert stopped, "a server thread was still running at the stop deadline"
+    assert not server.arena.path.exists()
+
+
 @pytest.fixture(scope="module")
 def raw_socket(server):
     context = zmq.Context()
-    sock = context.socket(zmq.DEALER)  # a DEALER can send anything, including frames a REQ would not
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{server.config.port}")
+    sock = dealer(context, server.config.port)
     yield sock
     sock.close()
     context.term()
@@ -78,6 +95,54 @@ def test_malformed_messages_get_an_error_reply_and_the_server_keeps_serving(raw_
                               p.AbortReply, p.CommitReply, p.ReserveReply, p.RetrieveReply, p.ClearReply,
                               p.PutReply))
     assert isinstance(ask(raw_socket, [p.encode(p.Ping())]), p.Pong)
+
+
+def test_random_bytes_on_the_data_port_never_wedge_the_server():
+    """Random bytes are not ZeroMQ, but ZeroMQ reads most of them as ZMTP 1.0 frames: messages
+    without a request envelope, which the server drops. It keeps serving, and still stops."""
+    with server_that_must_stop_in_time() as server, zmq.Context() as context:
+        sock = dealer(context, server.config.port)
+
+        @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(junk=st.binary(min_size=1, max_size=5000))
+        def junk_connection(junk):
+            send_raw(server.config.port, junk)
+            assert pong_through(sock)
+
+        junk_connection()
+        sock.close()
+        send_raw(server.config.port, zmtp1_without_envelope(8))  # junk last, then the stop
+        time.sleep(0.5)  # for the server to read it (nothing it answers can tell)
+
+
+def frames_of_any_envelope():
+    """Multipart messages as a DEALER may send them: with or without the empty delimiter a REQ
+    socket adds, empty frames, many frames, a huge frame, truncated or garbage msgpack."""
+    frame = st.one_of(
+        st.just(b""),
+        st.binary(max_size=64),
+        encoded_garbage(),
+        encoded_garbage().flatmap(lambda data: st.integers(0, len(data)).map(lambda n: data[:n])),
+        st.integers(1 << 20, 4 << 20).map(lambda n: b"\x92" * n),  # huge: a mebibyte or more
+    )
+    return st.lists(frame, min_size=1, max_size=8) | st.integers(100, 2000).map(lambda n: [b""] * n)
+
+
+def test_malformed_multipart_messages_never_wedge_the_server():
+    with server_that_must_stop_in_time() as server, zmq.Context() as context:
+        sock = dealer(context, server.config.port)
+
+        @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(frames=frames_of_any_envelope())
+        def junk_message(frames):
+            sock.send_multipart(frames)
+            assert pong_through(sock)
+
+        junk_message()
+        for _ in range(8):  # junk last, then the stop
+            sock.send_multipart([b"no delimiter"])
+        sock.close(linger=5000)
+        time.sleep(0.5)  # for the server to read it (nothing it answers can tell)
 
 
 def test_specific_bad_requests_are_named(raw_socket):

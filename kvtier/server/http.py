@@ -75,6 +75,10 @@ def _add_dashboard(app: FastAPI) -> None:
         return Response(assets[name], media_type=_DASHBOARD_ASSETS[name], headers=_DASHBOARD_HEADERS)
 
 
+#: How long a stop waits for HTTP requests in progress (whole seconds: uvicorn's type).
+_GRACE_S = 1
+
+
 class HttpServer:
     """uvicorn in a thread, on a socket bound up front so a taken port fails loudly at start."""
 
@@ -89,7 +93,9 @@ class HttpServer:
             self.socket.close()
             raise
         self.port = self.socket.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        # A stop waits this long for requests in progress, then cancels them (uvicorn would wait forever).
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=_GRACE_S)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.socket]},
                                         name="kvtier-http", daemon=True)
@@ -97,7 +103,8 @@ class HttpServer:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float) -> None:
+        """Stop within ``timeout_s``: past it, the thread is left (a daemon) and the socket closed."""
         self._server.should_exit = True
-        self._thread.join(timeout=5)
+        self._thread.join(timeout_s)
         self.socket.close()

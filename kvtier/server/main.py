@@ -1,11 +1,21 @@
 """``kvtier server``: composes the store, the shared arena, the ZeroMQ data port, the worker
-threads and the HTTP control plane, and runs them until SIGINT or SIGTERM."""
+threads and the HTTP control plane, and runs them until SIGINT or SIGTERM.
+
+Stopping may never hang, whatever clients sent: no socket lingers, every receive and every wait
+on ZeroMQ is bounded by ``_POLL_MS`` so each thread sees the stop within that time, the stop waits
+for them all against one deadline, and a watchdog that fires past ``STOP_DEADLINE_S`` removes the
+arena's file and ends the process (see docs/reliability.md).
+"""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import signal
 import threading
+import time
+from typing import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -24,6 +34,11 @@ _CONTROL = "inproc://kvtier-control"
 _POLL_MS = 200
 #: No single frame may be larger than this (a client sending absurd lengths is cut off by ZeroMQ).
 MAX_FRAME_BYTES = 1 << 32
+#: The longest a stop may take; past it the watchdog removes the arena and exits with
+#: ``EXIT_STOP_OVERRUN``. Well inside the grace periods of systemd (90 s) and Kubernetes (30 s).
+STOP_DEADLINE_S = 4.0
+#: The exit status after a stop that the watchdog had to end (0 after a complete one).
+EXIT_STOP_OVERRUN = 1
 
 
 class KvtierServer:
@@ -49,7 +64,9 @@ class KvtierServer:
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._context = zmq.Context()
-        self._threads: list[threading.Thread] = []
+        self._context.setsockopt(zmq.LINGER, 0)  # every socket: unsent messages never hold up a stop
+        self._proxy_thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # those that stop on ``_stopping``
         self._control: zmq.Socket | None = None  # set once serving
         self.http: HttpServer | None = None
 
@@ -60,7 +77,6 @@ class KvtierServer:
         start serving."""
         frontend = self._context.socket(zmq.ROUTER)
         frontend.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        frontend.setsockopt(zmq.LINGER, 0)
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         if ":" in self.config.host:
             frontend.setsockopt(zmq.IPV6, 1)
@@ -79,34 +95,66 @@ class KvtierServer:
         control.bind(_CONTROL)
         self._control = self._context.socket(zmq.PAIR)
         self._control.connect(_CONTROL)
-        self._spawn("kvtier-proxy", self._proxy, frontend, backend, control)
-        self._spawn("kvtier-monitor", self._monitor, monitor)
+        self._proxy_thread = self._spawn("kvtier-proxy", self._proxy, frontend, backend, control)
+        self._threads.append(self._spawn("kvtier-monitor", self._monitor, monitor))
         for i in range(self.config.max_workers):
-            self._spawn(f"kvtier-worker-{i}", self._worker)
+            self._threads.append(self._spawn(f"kvtier-worker-{i}", self._worker))
         self.http.start()
         self._ready.set()
         log.info("kvtier server ready: data tcp://%s:%d, http %s:%d, shared memory %s",
                  self.config.host, self.config.port, self.config.http_host, self.http.port,
                  self.arena.path or "off")
 
-    def stop(self) -> None:
+    def stop(self, deadline_s: float = STOP_DEADLINE_S) -> bool:
+        """Stop serving and release everything, waiting for the threads until ``deadline_s`` from
+        now and no longer. Returns False if one was still running then: it is named in the log,
+        and the ZeroMQ context (whose end would wait for that thread's socket) is left to the
+        process's exit. The arena's file is removed either way."""
+        deadline = time.monotonic() + deadline_s
         self._ready.clear()
-        self._stopping.set()
-        if self._control is not None:
-            self.http.stop()
-            self._control.send(b"TERMINATE")
-            for thread in self._threads:
-                thread.join(timeout=5)
-            self._control.close(linger=0)
-        self.store.close()
-        self._context.term()
-        self.arena.close(unlink=True)
-        log.info("kvtier server stopped")
+        stopped = True
+        try:
+            if self._control is not None:
+                self.http.stop(max(0.0, deadline - time.monotonic()))
+                # The proxy first: while it runs, the workers are there to take what it forwards.
+                try:
+                    self._control.send(b"TERMINATE", zmq.NOBLOCK)
+                except zmq.Again:  # the proxy is gone already
+                    pass
+                stopped = self._join([self._proxy_thread], deadline)
+                self._control.close()
+                self._stopping.set()
+                stopped = self._join(self._threads, deadline) and stopped
+            self.store.close()
+            if stopped:
+                self._context.term()
+        finally:
+            self.arena.close(unlink=True)
+        return stopped
 
-    def _spawn(self, name: str, target, *args) -> None:
+    def abandon(self) -> None:
+        """The watchdog's last resort when a stop overruns its deadline: log where each thread
+        is, remove the arena's file (its memory goes with the process) and exit at once."""
+        log.error("kvtier server did not stop within %.1f s; exiting without waiting (threads follow)",
+                  STOP_DEADLINE_S)
+        faulthandler.dump_traceback(all_threads=True)
+        if self.arena.path is not None:
+            self.arena.path.unlink(missing_ok=True)
+        os._exit(EXIT_STOP_OVERRUN)
+
+    @staticmethod
+    def _join(threads: list[threading.Thread], deadline: float) -> bool:
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        late = [thread.name for thread in threads if thread.is_alive()]
+        if late:
+            log.error("still running at the stop deadline: %s", ", ".join(late))
+        return not late
+
+    def _spawn(self, name: str, target, *args) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
-        self._threads.append(thread)
+        return thread
 
     # -- threads -----------------------------------------------------------------------------
 
@@ -118,41 +166,76 @@ class KvtierServer:
                 sock.close(linger=0)
 
     def _monitor(self, monitor) -> None:
-        poller = zmq.Poller()
-        poller.register(monitor, zmq.POLLIN)
-        while not self._stopping.is_set():
-            if not poller.poll(_POLL_MS):
-                continue
-            event = recv_monitor_message(monitor)["event"]
-            self._clients += 1 if event == zmq.EVENT_ACCEPTED else -1
-        monitor.close(linger=0)
+        monitor.setsockopt(zmq.RCVTIMEO, _POLL_MS)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    event = recv_monitor_message(monitor)["event"]
+                except zmq.Again:
+                    continue
+                self._clients += 1 if event == zmq.EVENT_ACCEPTED else -1
+        finally:
+            monitor.close()
 
     def _worker(self) -> None:
         sock = self._context.socket(zmq.REP)
+        # A receive timeout, not poll-then-recv: REP discards a message without an envelope
+        # delimiter *inside* recv (a DEALER's malformed message; random bytes, which ZeroMQ reads
+        # as unversioned ZMTP 1.0 frames), after poll said it was readable, and would then wait
+        # for the next request however long that takes, and hold up a stop until then.
+        sock.setsockopt(zmq.RCVTIMEO, _POLL_MS)
         sock.connect(_WORKERS)
+        sending: list[tuple[zmq.MessageTracker, Callable[[], None]]] = []
         try:
             while not self._stopping.is_set():
-                if sock.poll(_POLL_MS):
+                try:
                     frames = [frame.buffer for frame in sock.recv_multipart(copy=False)]
+                except zmq.Again:
+                    frames = None
+                if frames is not None:
                     reply, after_send = self.service.handle(frames)
                     if after_send is None:
                         sock.send_multipart(reply)
-                    else:  # frames are views of leased objects: release once ZeroMQ is done with them
-                        tracker = sock.send_multipart(reply, copy=False, track=True)
-                        tracker.wait()
-                        after_send()
+                    else:  # frames are views of leased objects: release once ZeroMQ is done with them,
+                        # which takes as long as the client takes to read them: never wait for it here
+                        sending.append((sock.send_multipart(reply, copy=False, track=True), after_send))
+                sending = self._release_sent(sending)
                 self.service.expire()
         finally:
-            sock.close(linger=0)
+            sock.close()
+
+    @staticmethod
+    def _release_sent(sending: list) -> list:
+        """Run the release of each reply ZeroMQ is done with; returns the replies still in flight."""
+        in_flight = []
+        for tracker, after_send in sending:
+            if tracker.done:
+                after_send()
+            else:
+                in_flight.append((tracker, after_send))
+        return in_flight
 
 
 def run(config: ServerConfig) -> int:
-    """Run until SIGINT or SIGTERM; returns the exit status."""
-    server = KvtierServer(config)
+    """Run until SIGINT or SIGTERM; returns the exit status: 0, or ``EXIT_STOP_OVERRUN``."""
+    received: list[int] = []
     stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        received.append(signum)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
+    server = KvtierServer(config)
     server.start()
     stop.wait()
-    server.stop()
-    return 0
+    why = signal.Signals(received[0]).name
+    log.info("kvtier server stopping on %s", why)
+    watchdog = threading.Timer(STOP_DEADLINE_S, server.abandon)
+    watchdog.daemon = True
+    watchdog.start()
+    stopped = server.stop(STOP_DEADLINE_S - 0.5)  # the watchdog ends what runs past this
+    watchdog.cancel()
+    log.info("kvtier server stopped on %s%s", why, "" if stopped else ", leaving a thread behind")
+    return 0 if stopped else EXIT_STOP_OVERRUN

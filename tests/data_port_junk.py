@@ -1,0 +1,73 @@
+"""Junk for a server's ZeroMQ data port, shared by the protocol fuzz tests and the shutdown tests.
+
+Two kinds reach a server in the wild: bytes that are not ZeroMQ at all (a port scanner, a
+misconfigured client; ZeroMQ reads anything that does not start like a ZMTP 3 greeting as
+unversioned ZMTP 1.0 frames, so random bytes become messages), and multipart messages from a
+ZeroMQ peer that break the request envelope or the protocol.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import msgspec
+import zmq
+
+from kvtier.server import protocol as p
+
+HUGE_FRAME_BYTES = 32 << 20  # far below the server's frame limit, far above any real request
+
+
+def send_raw(port: int, data: bytes) -> None:
+    """One TCP connection that sends ``data`` and closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(data)
+
+
+def zmtp1_without_envelope(count: int) -> bytes:
+    """What random bytes often are to ZeroMQ: a ZMTP 1.0 stream (length, flags, body per frame) of
+    an empty identity, then ``count`` one-frame messages without a request envelope."""
+    return b"\x01\x00" + b"\x02\x00x" * count
+
+
+def dealer(context: zmq.Context, port: int) -> zmq.Socket:
+    """A DEALER can send anything, including frames a REQ socket would not."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def malformed_multipart() -> list[list[bytes]]:
+    """Envelopes a REQ socket would never send, then requests that break the protocol."""
+    lookup = p.encode(p.Lookup(keys=[bytes(32)] * 4))
+    return [
+        [b""],  # a delimiter and nothing after it
+        [b"", b""],  # an empty request
+        [b"no delimiter"],
+        [b"x"] * 1000,  # many frames, no delimiter
+        [b"", *[b"y"] * 1000],  # many frames after the delimiter
+        [b"", b"", b"", b""],
+        [b"\x92" * HUGE_FRAME_BYTES],  # huge, no delimiter
+        [b"", b"\x92" * HUGE_FRAME_BYTES],  # huge, truncated msgpack
+        [b"", b"\xc1\xc1\xc1"],  # bytes msgpack never uses
+        [b"", lookup[: len(lookup) // 2]],  # a truncated request
+        [b"", msgspec.msgpack.encode({"op": "put", "keys": [bytes(32)]}), b"not an object"],
+        [b"", p.encode(p.Put(keys=[bytes(32)])), b"KVT"],  # a truncated object
+    ]
+
+
+def pong_through(sock: zmq.Socket, timeout_s: float = 5.0) -> bool:
+    """Send a ping and read replies until its pong; replies to earlier junk are skipped."""
+    sock.send_multipart([b"", p.encode(p.Ping())])
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(int(left * 1000) + 1):
+            break
+        try:
+            if isinstance(p.decode_reply(sock.recv_multipart()[-1]), p.Pong):
+                return True
+        except msgspec.DecodeError:
+            continue
+    return False
