@@ -12,11 +12,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from data_port_junk import dealer, pong_through, send_raw, zmtp1_without_envelope
 from kvtier.client import KvtierClient
 from kvtier.config import ServerConfig, convert
 from kvtier.server import protocol as p
 from kvtier.server.main import KvtierServer
+from kvtier_testing.data_port_junk import dealer, pong_through, send_raw, zmtp1_without_envelope
 from kvtier_testing.kvtier_processes import free_port
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from data_port_junk import dealer, malformed_multipart, pong_through, send_raw
 from kvtier.client import KvtierClient
 from kvtier.server.main import EXIT_STOP_OVERRUN
 from kvtier.server.shm import SHM_DIR
-from kvtier_processes import ServerProcess
-from workload import NS, fill_for, retrieved_is_exact, tokens
+from kvtier_testing.data_port_junk import dealer, malformed_multipart, pong_through, send_raw
+from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 STOP_WITHIN_S = 5.0
 JUNK_CONNECTIONS = 50
