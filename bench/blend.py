@@ -15,7 +15,8 @@ pages: accuracy of full recompute, naive reuse (0 % recomputed), CacheBlend at 5
 CacheBlend runs with gradual filtering (``--candidate-factor``, default BlendConfig's); the
 "no gradual filter" rows select once, at the check layer (candidate factor 1), for comparison.
 
-Prints the tables, then one JSON line.
+Prints the tables, each target (TARGETS) with its verdict, then one JSON line; ``--check`` exits 1
+when a target is missed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from kvtier.tiers.memory import MemoryTier
 from kvtier_testing.blend.quality import evaluate, load_task_model
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.plotting import add_plot_flag, lines
+from kvtier_testing.targets import Target, add_check_flag, exit_code, report
 from kvtier_testing.timing import best_of_interleaved
 from kvtier_testing.tiny_model import build_tiny_model, sample_question, sample_text
 
@@ -175,6 +177,13 @@ def plot(path: str, q: dict, plain: dict, deeper: dict, s: dict, c: int, size: i
              f"{s['blend_ttft_speedup']:.2f}x faster than full recompute",
         xlabel="tokens recomputed (%)", ylabel="accuracy (fraction of prompts right)")
 
+#: docs/blend.md's targets at the defaults (check layer 1, recompute ratio 0.15).
+TARGETS = {
+    "acc_blend_15_vs_full": Target(">=", -0.02, "within 2 points of full recompute"),
+    "blend_ttft_speedup": Target(">=", 2.5, "against full recompute"),
+    "acc_blend_15_vs_naive": Target(">=", 0.2, "selective recompute repairs what naive reuse loses"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--candidate-factor", type=float, default=BlendConfig.candidate_factor,
                         help="gradual filtering: candidates at the check layer, as a multiple of the ratio")
     add_plot_flag(parser)
+    add_check_flag(parser)
     args = parser.parse_args(argv)
     config = BlendConfig(check_layer=args.check_layer, recompute_ratio=args.ratio,
                          candidate_factor=args.candidate_factor)
@@ -257,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         f"blend_ttft_speedup_check{c + 1}": round(s["ttft_full_s"] / s["ttft_blend_deeper_s"], 3),
         "eval_prompts": size,
     }
+    met = report({**result, "acc_blend_15_vs_full": q[0.15] - q["full"], "acc_blend_15_vs_naive": q[0.15] - q[0.0]},
+                 TARGETS)
+    result["targets_met"] = met
     print(json.dumps(result, sort_keys=True))
-    return 0
+    return exit_code(args.check, met)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ exactly: it must return the expected bytes or a miss, never other bytes. No call
 than its timeout allows; after every restart each file in the disk tier must be a whole object
 that verifies; the server's RSS must stay within the L1 size plus a small overhead.
 
-Last line: one JSON object with kills, server_exits_unkilled, wrong_bytes, client_hangs, max_rss_over_l1_mb and more.
+Prints the figures and each target (TARGETS) with its verdict; last line: one JSON object with kills,
+server_exits_unkilled, wrong_bytes, client_hangs, max_rss_over_l1_mb and more. ``--check`` exits 1
+when a target is missed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvtier.errors import ObjectError
 from kvtier.objects import check_object
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.plotting import add_plot_flag, over_time
+from kvtier_testing.targets import Target, add_check_flag, exit_code, report
 from kvtier_testing.timing import Timeline
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
@@ -141,6 +144,18 @@ def rss_mb(pid: int) -> float:
         pass
     return 0.0
 
+#: What a run must show; docs/reliability.md states the promises (the RSS bound is its documented one).
+TARGETS = {
+    "wrong_bytes": Target("==", 0, "every retrieve checked byte for byte"),
+    "client_hangs": Target("==", 0, "no call longer than the timeout + 1 s"),
+    "clients_unfinished": Target("==", 0, "every client process reported"),
+    "kills_missed": Target("==", 0, "each kill hit a running server"),
+    "server_exits_unkilled": Target("==", 0, "the server never stopped by itself"),
+    "disk_files_corrupt": Target("==", 0, "a kill leaves no torn file behind"),
+    "hits": Target(">=", 1, "the cache served between kills"),
+    "max_rss_over_l1_mb": Target("<=", 200, "documented overhead bound"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=None, help="default 10 with --quick, else 50")
     parser.add_argument("--clients", type=int, default=4)
     add_plot_flag(parser)
+    add_check_flag(parser)
     args = parser.parse_args(argv)
     kills_wanted = args.kills or (10 if args.quick else 50)
     l1_gb = 0.02
@@ -234,8 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and reports:
         plot_run(args.plot, reports, seconds, down=down,
                  title=f"Chaos: {args.clients} clients while the server is killed {kills} times and restarted")
+    met = report({**summary, "clients_unfinished": args.clients - len(counts), "kills_missed": kills_wanted - kills},
+                 TARGETS)
+    summary["targets_met"] = met
     print(json.dumps(summary))
-    return 0
+    return exit_code(args.check, met)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
     lookup:       p50/p99 latency of a lookup for an 8k-token prompt (keys computed by the client)
 
 Objects: Llama-3.1-8B geometry (32 layers, 8 KV heads, head size 128, bf16, 256 tokens = 32 MiB).
-A real `kvtier server` process serves; this process is the engine. Prints a table, then one JSON line.
+A real `kvtier server` process serves; this process is the engine. Prints a table and each target
+(TARGETS) with its verdict, then one JSON line; ``--check`` exits 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.arena import allocate_buffer
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
+from kvtier_testing.targets import Target, add_check_flag, exit_code, report
 from kvtier_testing.timing import GIB, best_of
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
@@ -69,11 +71,20 @@ def plot(path: str, rows: list[tuple[str, float, float]], chunks: int, p50: floa
                     title=f"Server data path vs memcpy (lookup of 8192 tokens: p50 {p50:.3f} ms, p99 {p99:.3f} ms)",
                     unit="GiB/s")
 
+#: Through shared memory a store or retrieve is one copy plus a round trip and a checksum pass; a
+#: lookup of 32 chunk keys is one round trip. The bars leave room for a shared machine's noise.
+TARGETS = {
+    "shm_store_vs_memcpy": Target(">=", 0.8, "one copy, a checksum, a round trip"),
+    "shm_retrieve_vs_memcpy": Target(">=", 0.8, "one copy, a round trip"),
+    "lookup_p99_ms": Target("<=", 5.0, "one round trip; 0.7 ms measured"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats (under 60 s)")
     add_plot_flag(parser)
+    add_check_flag(parser)
     args = parser.parse_args(argv)
     repeats = 3 if args.quick else 7
     chunks = 4 if args.quick else 8
@@ -131,15 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'lookup, 8192-token prompt':<28} p50 {p50:.3f} ms   p99 {p99:.3f} ms")
     if args.plot:
         plot(args.plot, rows, chunks, p50, p99)
-    print(json.dumps({
+    summary = {
         "shm_store_vs_memcpy": round(shm_result["store"] / memcpy_in_gib, 3),
         "shm_retrieve_vs_memcpy": round(shm_result["retrieve"] / memcpy_out_gib, 3),
         "frames_store_gib_s": round(frames_result["store"], 3),
         "frames_retrieve_gib_s": round(frames_result["retrieve"], 3),
         "lookup_p50_ms": round(p50, 3),
         "lookup_p99_ms": round(p99, 3),
-    }))
-    return 0
+    }
+    met = report(summary, TARGETS)
+    summary["targets_met"] = met
+    print(json.dumps(summary))
+    return exit_code(args.check, met)
 
 
 if __name__ == "__main__":

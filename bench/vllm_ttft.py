@@ -20,7 +20,8 @@ Each context is asked twice with different 16-token questions, one request at a 
 plus cold and warm TTFT in B at L = 1k, 2k, 4k, 8k (warm: after vLLM's own cache is reset, so the
 KV comes from kvtier), drawn as a PNG. Every number comes from this run; the machine's load
 average is printed with them, because on a shared machine it moves them. Prints a table and, as
-the last line, one JSON object. ``--quick`` takes under two minutes on an idle 2-core machine.
+the last line, one JSON object; ``--check`` exits 1 when a target is missed. ``--quick`` takes
+under two minutes on an idle 2-core machine.
 A and B run side by side and take turns three contexts at a time, in alternating order and
 after a pause, so that a change in the machine's background load hits both alike. Each engine
 runs one OpenMP thread that the OS may move (``--omp-bind nobind``): vLLM's default pins it, and
@@ -43,16 +44,18 @@ from pathlib import Path
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
 from kvtier_testing.services import free_port, kvtier_server
+from kvtier_testing.targets import Target, add_check_flag, exit_code, report
 from kvtier_testing.tiny_model import build_tiny_model
 
 BLOCK = 128  # vLLM CPU backend
 QUESTION = 16
 TARGETS = {
-    "ttft_ratio_vs_vllm": (">=", 10),
-    "warm_vs_floor": ("<=", 1.5),
-    "fill_overhead": ("<=", 1.05),
-    "miss_overhead": ("<=", 1.03),
-    "warm_vs_cold_8k": (">=", 10),
+    "ttft_ratio_vs_vllm": Target(">=", 10),
+    "warm_vs_floor": Target("<=", 1.5),
+    "fill_overhead": Target("<=", 1.05),
+    "miss_overhead": Target("<=", 1.03),
+    "warm_vs_cold_8k": Target(">=", 10),
+    "outputs_identical": Target("==", True, "first tokens of A, B and the floor"),
 }
 
 
@@ -107,6 +110,7 @@ def _parse(argv):
     parser.add_argument("--threads", type=int, default=1,
                         help="OpenMP threads per engine (default: %(default)s, what vLLM picks on 2 CPUs)")
     add_plot_flag(parser)
+    add_check_flag(parser)
     args = parser.parse_args(argv)
     args.contexts = args.contexts or (6 if args.quick else 12)
     args.misses = args.misses or (3 if args.quick else 6)
@@ -266,14 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     for length_i, entry in sweep_table.items():
         print(f"{length_i:>6}{entry['cold_s'] * 1e3:>10.1f}{entry['warm_s'] * 1e3:>10.1f}"
               f"{entry['cold_over_warm']:>11.1f}{entry['cached_share']:>8.0%}")
-    print()
-    met = {}
-    for key, (op, bar) in TARGETS.items():
-        value = summary[key]
-        ok = value >= bar if op == ">=" else value <= bar
-        met[key] = bool(ok)
-        print(f"{key:<20}{value:>8.2f}   target {op} {bar:<5} {'met' if ok else 'MISSED'}")
-    print(f"{'outputs_identical':<20}{str(identical):>8}")
+    met = report(summary, TARGETS)
     worker = b_stats.get("worker", {})
     print(f"kvtier in B: saves {worker.get('saves')} (on the engine's path: {worker.get('stage_s', 0) * 1e3:.0f} ms copying"
           f" out of vLLM's blocks; in the saver thread: {worker.get('save_s', 0) * 1e3:.0f} ms), dropped {worker.get('dropped_saves')}, loads {worker.get('loads')}"
@@ -317,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "startup_s": round(startup_s, 1), "elapsed_s": round(time.monotonic() - started, 1), "plot": plot,
     })
     print(json.dumps(summary))
-    return 0
+    return exit_code(args.check, met)
 
 
 if __name__ == "__main__":
