@@ -23,10 +23,17 @@ from kvtier.errors import ConfigError
 from kvtier.events import Medium
 from kvtier.integrations.vllm.common import KvtierConnectorMetadata, engine_layout
 from kvtier.integrations.vllm.config import ConnectorConfig, parse_extra_config
+from kvtier.integrations.vllm.metrics import KvtierPromMetrics, build_stats
 from kvtier.tiers.base import medium_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -143,6 +150,26 @@ class KvtierConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # saves copy KV out in the step that computed it: the blocks are free now
         return False, self.connector_scheduler.request_finished(request)
+
+    # -- figures for vLLM's /metrics and stats log (metrics.py) ----------------------------------
+
+    def get_kv_connector_stats(self) -> "KVConnectorStats | None":
+        side = self.connector_worker or self.connector_scheduler
+        return side.get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVConnectorStats":
+        return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> "KVConnectorPromMetrics":
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:

@@ -102,7 +102,7 @@ class Saver:
         worker = self.worker
         chunk = self.backend.chunk_size
         bs = worker.block_size
-        if chunk is None or self._closed:  # the server was never reached: nothing to store into
+        if chunk is None or self._closed or not self.backend.reachable:  # nothing to store into now
             return self._drop(job)
         ns = worker.namespaces.get(worker.tp_rank, job.scope)
         spans = [s for s in save_spans(ns, job.tokens, chunk, bs) if s.end > job.start]
@@ -171,13 +171,21 @@ class Saver:
         worker, job = self.worker, staged.job
         ns = worker.namespaces.get(worker.tp_rank, job.scope)
 
+        written = 0
+
         def fill(span: ChunkSpan, dest: memoryview) -> None:
+            nonlocal written
             offset, size = staged.offsets[span.key]
             dest[:size] = self.ring.view(offset, size)
+            written += size
 
         stored = self.backend.cache.store_spans(ns, staged.spans, fill)
+        if not stored and not self.backend.reachable:  # the server went away: the client dropped it
+            worker.stats.dropped_saves += 1
+            return
         worker.stats.saves += 1
         worker.stats.saved_chunks += stored or 0
+        worker.stats.save_bytes += written if stored else 0
         worker.stats.save_s += time.perf_counter() - started
 
     def wait_idle(self, timeout: float) -> bool:

@@ -53,6 +53,7 @@ from kvtier.integrations.vllm.common import (
     save_spans,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.metrics import Interval, KvtierStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -108,7 +109,7 @@ class SchedulerStats:
     prefill_wait_s: float = 0.0  # total time those requests waited
     save_jobs: int = 0
     lookup_s: float = 0.0
-    hits_by_tier: Counter = field(default_factory=Counter)  # loaded chunks by the tier that held them
+    hits_by_tier: Counter = field(default_factory=Counter)  # loaded tokens by the tier that held them
 
     def as_dict(self) -> dict:
         return {name: dict(value) if isinstance(value, Counter) else value for name, value in vars(self).items()}
@@ -127,6 +128,7 @@ class KvtierScheduler:
         self.namespaces = NamespaceCache(engine)
         self.backend = Backend(config, "scheduler")
         self.stats = SchedulerStats()
+        self._interval = Interval()
         self._block_ids_of = block_ids_of
         self._lookups: dict[ReqId, _Lookup] = {}
         self._requests: dict[ReqId, _Tracked] = {}
@@ -288,9 +290,7 @@ class KvtierScheduler:
         if known is None or not num_external_tokens:
             return []
         chunk = self.chunk_size() or self.block_size
-        first = known.num_computed // chunk
-        last = (known.num_computed + num_external_tokens - 1) // chunk
-        return known.tiers[first : last + 1]
+        return list(tokens_by_tier(known.tiers, chunk, known.num_computed, known.num_computed + num_external_tokens))
 
     # -- allocation and the step's metadata ------------------------------------------------------
 
@@ -318,8 +318,7 @@ class KvtierScheduler:
         block_ids = blocks.get_block_ids()[0][start // self.block_size : pages(end, self.block_size)]
         self._loads.append(LoadJob(request.request_id, scope, tracked.tokens[:hit], start, end, list(block_ids)))
         self.stats.load_tokens += num_external_tokens
-        for tier in known.tiers:
-            self.stats.hits_by_tier[tier] += 1
+        self.stats.hits_by_tier.update(tokens_by_tier(known.tiers, self.chunk_size() or self.block_size, start, end))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata(loads=self._loads)
@@ -379,8 +378,21 @@ class KvtierScheduler:
             return None
         return {PREFILLED_PARAM: tracked.saved_upto if tracked is not None and self.config.save else 0}
 
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        """The step's figures for vLLM's metrics."""
+        return self._interval.take(self.stats.as_dict())
+
     def shutdown(self) -> None:
         self.backend.close()
+
+
+def tokens_by_tier(tiers: list[str], chunk: int, start: int, end: int) -> Counter:
+    """Tokens of ``[start, end)`` by the tier of the chunk they fall in (``tiers``: one per chunk
+    from token 0)."""
+    counts: Counter = Counter()
+    for index in range(start // chunk, (end - 1) // chunk + 1):
+        counts[tiers[index]] += min(end, (index + 1) * chunk) - max(start, index * chunk)
+    return counts
 
 
 def _prefilled_tokens(request: "Request") -> int:

@@ -18,6 +18,7 @@ storage; vLLM's blocks are not read after the step that computed them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from kvtier.integrations.vllm.common import (
     pages,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.metrics import Interval, KvtierStats
 from kvtier.integrations.vllm.saver import Saver
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
@@ -46,11 +48,13 @@ class WorkerStats:
     loads: int = 0
     loaded_tokens: int = 0
     failed_loads: int = 0
+    load_bytes: int = 0
     load_s: float = 0.0  # on the engine's path: retrieve + copy
     retrieve_s: float = 0.0
     stage_s: float = 0.0  # on the engine's path: copying pages out of vLLM's blocks
     saves: int = 0
     saved_chunks: int = 0
+    save_bytes: int = 0
     dropped_saves: int = 0
     failed_saves: int = 0
     save_s: float = 0.0  # in the saver thread
@@ -65,6 +69,7 @@ class KvtierWorker:
         self.block_size = engine.block_size
         self.namespaces = NamespaceCache(engine)
         self.stats = WorkerStats()
+        self._interval = Interval()
         self.pages: PagedKV | None = None
         self._loads = Backend(config, "worker-load")
         self._releaser = ThreadPoolExecutor(1, "kvtier-release") if config.server_mode else None
@@ -115,6 +120,7 @@ class KvtierWorker:
                 payload = self.pages.payload_view(chunk.payload, pages(span.num_tokens, bs))
                 block_ids = job.block_ids[(lo - job.start) // bs : pages(hi - job.start, bs)]
                 self.pages.scatter(payload, (lo - span.start) // bs, block_ids)
+                self.stats.load_bytes += len(block_ids) * self.pages.page_bytes * len(self.pages.layers)
                 loaded = hi
             self.pages.synchronize()  # before the objects are released
         except Exception:
@@ -156,6 +162,10 @@ class KvtierWorker:
             return None
         jobs = self._saver.take_finished_jobs()
         return KvtierWorkerMetadata({job_id: 1 for job_id in jobs}) if jobs else None
+
+    def get_kv_connector_stats(self) -> KvtierStats | None:
+        """The step's figures for vLLM's metrics (saves finished since the last step included)."""
+        return self._interval.take(dataclasses.asdict(self.stats))
 
     def shutdown(self) -> None:
         if self._releaser is not None:

@@ -1,0 +1,182 @@
+"""kvtier's figures in vLLM's own metrics: its ``/metrics`` (``vllm:kvtier_*`` counters) and the
+"KV Transfer metrics" line of its periodic stats log.
+
+vLLM's path for a connector's figures, which this module fills:
+
+    worker process      get_kv_connector_stats() after each step  ─┐ summed over TP ranks
+    engine-core process get_kv_connector_stats() of the scheduler ─┴▶ KvtierStats.aggregate
+                        ─▶ SchedulerStats.kv_connector_stats (``data``, a plain dict) ─▶ front end
+    front end           build_kv_connector_stats(data) ─▶ periodic log line (reduce)
+                        build_prom_metrics(...).observe(data, engine) ─▶ /metrics
+
+Both sides keep cumulative counters (``SchedulerStats``, ``WorkerStats``); ``Interval`` turns
+them into what changed since the last step, so the counters stay the one source of each figure.
+Worker figures travel only with a step's output: a save that finishes after the engine's last
+step shows at its next step.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+#: Prefix of every metric, following vLLM's ``vllm:kv_offload_*`` for its offloading connector.
+PREFIX = "vllm:kvtier_"
+#: The label of figures counted per tier: the tier's id as kvtier reports it.
+TIER_LABEL = "tier"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One counter: its metric name (after ``PREFIX``), the connector stats field it comes from,
+    and whether it is counted per tier (the field is then a mapping tier id -> value)."""
+
+    name: str
+    field: str
+    documentation: str
+    per_tier: bool = False
+
+
+#: Every figure the connector exports, scheduler side first.
+FIGURES = (
+    Figure("hit_tokens", "hits_by_tier", "Prompt tokens vLLM loaded from kvtier instead of computing them,"
+           " by the kvtier tier that held them", per_tier=True),
+    Figure("lookups", "lookups", "Prompt lookups kvtier answered"),
+    Figure("lookup_seconds", "lookup_s", "Time the scheduler spent on kvtier lookups"),
+    Figure("deferred_lookups", "deferred", "Lookups answered 'not yet': the prompt's next chunk was being saved"),
+    Figure("prefill_waits", "prefill_waits", "Requests prefilled by another instance whose KV arrived"),
+    Figure("prefill_wait_timeouts", "prefill_wait_timeouts",
+           "Requests prefilled by another instance whose KV did not arrive in time (computed here)"),
+    Figure("prefill_wait_seconds", "prefill_wait_s", "Time requests waited for KV another instance prefilled"),
+    Figure("loads", "loads", "Load jobs run by the workers (each TP rank counts its own)"),
+    Figure("loaded_tokens", "loaded_tokens", "Tokens loaded into vLLM's blocks (each TP rank counts its own)"),
+    Figure("failed_loads", "failed_loads", "Load jobs that came back short; vLLM recomputed the rest"),
+    Figure("load_bytes", "load_bytes", "KV bytes copied from kvtier into vLLM's blocks (whole pages)"),
+    Figure("load_seconds", "load_s", "Time loads took on the engine's path (retrieve and copy)"),
+    Figure("retrieve_seconds", "retrieve_s", "Part of the load time spent getting the chunks from kvtier"),
+    Figure("saves", "saves", "Save jobs stored by the workers' saver threads"),
+    Figure("save_bytes", "save_bytes", "KV bytes written into kvtier by saves (whole pages)"),
+    Figure("save_seconds", "save_s", "Time saves took in the saver threads, off the engine's path"),
+    Figure("stage_seconds", "stage_s", "Time saves took on the engine's path (copying out of vLLM's blocks)"),
+    Figure("dropped_saves", "dropped_saves",
+           "Saves dropped: the staging buffer was full or the cache could not be reached"),
+    Figure("failed_saves", "failed_saves", "Saves that failed with an error"),
+)
+
+
+@dataclass
+class KvtierStats(KVConnectorStats):
+    """The figures of one interval, keyed by ``Figure.name``: a number, or a mapping tier id ->
+    number for per-tier figures. Only figures that changed are present."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvtierStats":
+        for name, value in other.data.items():
+            if isinstance(value, Mapping):
+                mine = self.data.setdefault(name, {})
+                for tier, amount in value.items():
+                    mine[tier] = mine.get(tier, 0) + amount
+            else:
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """One ``name=value`` per figure for vLLM's log line; per-tier ones as ``name[tier]``."""
+        out: dict[str, int | float] = {}
+        for figure in FIGURES:
+            value = self.data.get(figure.name)
+            if isinstance(value, Mapping):
+                out.update({f"kvtier_{figure.name}[{tier}]": _rounded(v) for tier, v in sorted(value.items())})
+            elif value is not None:
+                out[f"kvtier_{figure.name}"] = _rounded(value)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+def _rounded(value: int | float) -> int | float:
+    return round(value, 4) if isinstance(value, float) else value
+
+
+class Interval:
+    """What cumulative counters gained since the last ``take``: the figures of one step."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, Any] = {}
+
+    def take(self, counters: Mapping[str, Any]) -> KvtierStats | None:
+        """``counters``: stats fields (``Figure.field``) to their running totals."""
+        data: dict[str, Any] = {}
+        for figure in FIGURES:
+            if figure.field not in counters:
+                continue  # the other side's figure
+            now = counters[figure.field]
+            if figure.per_tier:
+                now = {str(tier): amount for tier, amount in now.items()}
+                last = self._last.get(figure.field, {})
+                gained = {tier: amount - last.get(tier, 0) for tier, amount in now.items() if amount != last.get(tier, 0)}
+            else:
+                gained = now - self._last.get(figure.field, 0)
+            if gained:
+                data[figure.name] = gained
+            self._last[figure.field] = now
+        return KvtierStats(data=data) if data else None
+
+
+class KvtierPromMetrics(KVConnectorPromMetrics):
+    """One vLLM counter per figure, labelled as vLLM's own (model name, engine), plus ``tier``
+    for per-tier figures. Counters without a tier exist from the start, at zero."""
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            figure.name: self._counter_cls(
+                name=PREFIX + figure.name,
+                documentation=figure.documentation,
+                labelnames=labelnames + ([TIER_LABEL] if figure.per_tier else []),
+            )
+            for figure in FIGURES
+        }
+        for figure in FIGURES:
+            if not figure.per_tier:
+                for labelvalues in per_engine_labelvalues.values():
+                    self._counters[figure.name].labels(*labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            counter = self._counters.get(name)
+            if counter is None:
+                continue  # a figure of another kvtier version: nothing to show it in
+            if isinstance(value, Mapping):
+                for tier, amount in value.items():
+                    counter.labels(*engine, tier).inc(amount)
+            else:
+                counter.labels(*engine).inc(value)
+
+
+def build_stats(data: dict[str, Any] | None) -> KvtierStats:
+    """The stats object for vLLM's front end; a copy, since vLLM's logger aggregates in place
+    what its Prometheus logger also reads."""
+    return KvtierStats(data=copy.deepcopy(data) if data is not None else {})
+
