@@ -125,8 +125,8 @@ def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -
             r0 = _worker_stats(remote)
             [remote_decoded] = remote.generate([prompt], kv_transfer_params=prefilled["kv_transfer_params"])
             r1 = _worker_stats(remote)
-            stage, store = p1["stage_s"] - p0["stage_s"], p1["save_s"] - p0["save_s"]
-            load, retrieve = c1["load_s"] - c0["load_s"], c1["retrieve_s"] - c0["retrieve_s"]
+            stage, store = p1["stage_seconds"] - p0["stage_seconds"], p1["save_seconds"] - p0["save_seconds"]
+            load, retrieve = c1["load_seconds"] - c0["load_seconds"], c1["retrieve_seconds"] - c0["retrieve_seconds"]
             loaded = c1["loaded_tokens"] - c0["loaded_tokens"]
             nbytes = -(-loaded // BLOCK) * BLOCK * BYTES_PER_TOKEN  # whole pages
             src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
@@ -134,7 +134,7 @@ def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -
             rows.append({"tokens": len(prompt), "loaded": loaded, "computed": len(prompt) - decoded["num_cached_tokens"],
                          "mib": nbytes / 2**20, "save_ms": (stage + store) * 1e3, "load_ms": load * 1e3,
                          "stage_ms": stage * 1e3, "store_ms": store * 1e3, "retrieve_ms": retrieve * 1e3,
-                         "frames_load_ms": (r1["load_s"] - r0["load_s"]) * 1e3,
+                         "frames_load_ms": (r1["load_seconds"] - r0["load_seconds"]) * 1e3,
                          "memcpy_ms": memcpy * 1e3, "same_first_token": decoded["token_ids"] == prefilled["token_ids"] == remote_decoded["token_ids"]})
     return rows
 

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     # loads and copies out of vLLM's blocks (worker); the saver thread's time is off that path
     def on_path_ms(before, after, count):
         delta = lambda side, key: after.get(side, {}).get(key, 0) - before.get(side, {}).get(key, 0)  # noqa: E731
-        total = delta("scheduler", "lookup_s") + delta("worker", "load_s") + delta("worker", "stage_s")
+        total = delta("scheduler", "lookup_seconds") + delta("worker", "load_seconds") + delta("worker", "stage_seconds")
         return total / max(1, count) * 1e3
 
     on_path = [on_path_ms(snapshots[i], snapshots[i + 1], len(outs)) for i, outs in enumerate((b1, b2, b3))]
@@ -272,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{entry['cold_over_warm']:>11.1f}{entry['cached_share']:>8.0%}")
     met = report(summary, TARGETS)
     worker = b_stats.get("worker", {})
-    print(f"kvtier in B: saves {worker.get('saves')} (on the engine's path: {worker.get('stage_s', 0) * 1e3:.0f} ms copying"
-          f" out of vLLM's blocks; in the saver thread: {worker.get('save_s', 0) * 1e3:.0f} ms), dropped {worker.get('dropped_saves')}, loads {worker.get('loads')}"
-          f" ({worker.get('load_s', 0) / max(1, worker.get('loads') or 1) * 1e3:.1f} ms each, of which retrieve"
-          f" {worker.get('retrieve_s', 0) / max(1, worker.get('loads') or 1) * 1e3:.1f} ms)")
+    print(f"kvtier in B: saves {worker.get('saves')} (on the engine's path: {worker.get('stage_seconds', 0) * 1e3:.0f} ms copying"
+          f" out of vLLM's blocks; in the saver thread: {worker.get('save_seconds', 0) * 1e3:.0f} ms), dropped {worker.get('dropped_saves')}, loads {worker.get('loads')}"
+          f" ({worker.get('load_seconds', 0) / max(1, worker.get('loads') or 1) * 1e3:.1f} ms each, of which retrieve"
+          f" {worker.get('retrieve_seconds', 0) / max(1, worker.get('loads') or 1) * 1e3:.1f} ms)")
 
     plot = None
     try:

@@ -198,19 +198,12 @@ def _connectors(llm):
 
 
 def _stats(llm) -> dict:
-    import dataclasses
-
+    """kvtier's running totals on each side (``KvtierConnector.figures``: named as in vLLM's
+    /metrics). Read from the connectors, not from vLLM's metrics: those lag behind by a step,
+    and nothing steps an idle engine after its saves finish."""
     scheduler, worker = _connectors(llm)
-    out = {}
-    if scheduler is not None and getattr(scheduler, "connector_scheduler", None) is not None:
-        s = scheduler.connector_scheduler
-        out["scheduler"] = s.stats.as_dict()
-        out["scheduler"]["backend"] = s.backend.stats()
-    if worker is not None and getattr(worker, "connector_worker", None) is not None:
-        w = worker.connector_worker
-        out["worker"] = dataclasses.asdict(w.stats)
-        out["worker"]["pending_saves"] = w._saver.pending if w._saver else 0
-    return out
+    sides = {"scheduler": scheduler, "worker": worker}
+    return {side: connector.figures() for side, connector in sides.items() if hasattr(connector, "figures")}
 
 
 def _settle(llm, timeout: float = 10) -> None:

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.integrations.vllm.metrics import FIGURES, PREFIX, Interval, KvtierPromMetrics, build_stats
+from kvtier.integrations.vllm.metrics import FIGURES, PREFIX, Interval, KvtierPromMetrics, build_stats, totals
 from kvtier.integrations.vllm.scheduler import tokens_by_tier
 from kvtier_testing.engine_process import kvtier_transfer_config
 from kvtier_testing.kvtier_processes import ServerProcess
@@ -28,13 +28,13 @@ from kvtier_testing.services import MODEL_NAME, free_port, service_env, vllm_ser
 # -- the stats object, no engine --------------------------------------------------------------------
 
 
-def test_interval_gives_what_each_counter_gained_and_nothing_when_idle():
+def test_interval_gives_what_each_figure_gained_and_nothing_when_idle():
     interval = Interval()
-    first = interval.take({"lookups": 2, "lookup_s": 0.5, "hits_by_tier": Counter({"memory": 256})})
+    first = interval.take(totals({"lookups": 2, "lookup_s": 0.5, "hits_by_tier": Counter({"memory": 256})}))
     assert first.data == {"lookups": 2, "lookup_seconds": 0.5, "hit_tokens": {"memory": 256}}
-    second = interval.take({"lookups": 3, "lookup_s": 0.5, "hits_by_tier": Counter({"memory": 256, "disk-0": 512})})
-    assert second.data == {"lookups": 1, "hit_tokens": {"disk-0": 512}}
-    assert interval.take({"lookups": 3, "lookup_s": 0.5, "hits_by_tier": Counter({"memory": 256, "disk-0": 512})}) is None
+    now = totals({"lookups": 3, "lookup_s": 0.5, "hits_by_tier": Counter({"memory": 256, "disk-0": 512}), "other": 1})
+    assert interval.take(now).data == {"lookups": 1, "hit_tokens": {"disk-0": 512}}
+    assert interval.take(now) is None
 
 
 def test_every_figure_names_a_field_of_the_connector_stats():
@@ -69,7 +69,7 @@ def test_stats_survive_vllms_engine_to_front_end_serialization():
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    data = Interval().take({"hits_by_tier": Counter({"memory": 256}), "load_s": 0.01, "loads": 1}).to_dict()
+    data = Interval().take(totals({"hits_by_tier": Counter({"memory": 256}), "load_s": 0.01, "loads": 1})).to_dict()
     [decoded] = [MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(SchedulerStats(kv_connector_stats=data)))]
     assert build_stats(decoded.kv_connector_stats).reduce() == build_stats(data).reduce()
 

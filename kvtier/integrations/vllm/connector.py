@@ -153,9 +153,13 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # -- figures for vLLM's /metrics and stats log (metrics.py) ----------------------------------
 
+    def figures(self) -> dict[str, Any]:
+        """This side's running totals, named as in vLLM's /metrics without ``vllm:kvtier_``
+        (``hit_tokens`` maps tier id to tokens): what benchmarks and tests read."""
+        return (self.connector_worker or self.connector_scheduler).figures()
+
     def get_kv_connector_stats(self) -> "KVConnectorStats | None":
-        side = self.connector_worker or self.connector_scheduler
-        return side.get_kv_connector_stats()
+        return (self.connector_worker or self.connector_scheduler).get_kv_connector_stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVConnectorStats":

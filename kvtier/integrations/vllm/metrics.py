@@ -9,8 +9,9 @@ vLLM's path for a connector's figures, which this module fills:
     front end           build_kv_connector_stats(data) ─▶ periodic log line (reduce)
                         build_prom_metrics(...).observe(data, engine) ─▶ /metrics
 
-Both sides keep cumulative counters (``SchedulerStats``, ``WorkerStats``); ``Interval`` turns
-them into what changed since the last step, so the counters stay the one source of each figure.
+Both sides keep running totals (``SchedulerStats``, ``WorkerStats``; ``totals`` names them as
+figures, and ``KvtierConnector.figures`` returns them); ``Interval`` turns them into what changed
+since the last step, so the totals stay the one source of each figure.
 Worker figures travel only with a step's output: a save that finishes after the engine's last
 step shows at its next step.
 """
@@ -112,28 +113,35 @@ def _rounded(value: int | float) -> int | float:
     return round(value, 4) if isinstance(value, float) else value
 
 
+def totals(counters: Mapping[str, Any]) -> dict[str, Any]:
+    """The figures among a side's stats fields (``Figure.field`` -> running total), by figure name."""
+    out: dict[str, Any] = {}
+    for figure in FIGURES:
+        if figure.field in counters:  # else the other side's figure
+            value = counters[figure.field]
+            out[figure.name] = {str(tier): amount for tier, amount in value.items()} if figure.per_tier else value
+    return out
+
+
 class Interval:
-    """What cumulative counters gained since the last ``take``: the figures of one step."""
+    """What running totals gained since the last ``take``: the figures of one step."""
 
     def __init__(self) -> None:
         self._last: dict[str, Any] = {}
 
-    def take(self, counters: Mapping[str, Any]) -> KvtierStats | None:
-        """``counters``: stats fields (``Figure.field``) to their running totals."""
+    def take(self, figures: Mapping[str, Any]) -> KvtierStats | None:
+        """``figures``: ``totals`` of one side."""
         data: dict[str, Any] = {}
-        for figure in FIGURES:
-            if figure.field not in counters:
-                continue  # the other side's figure
-            now = counters[figure.field]
-            if figure.per_tier:
-                now = {str(tier): amount for tier, amount in now.items()}
-                last = self._last.get(figure.field, {})
+        for name, now in figures.items():
+            last = self._last.get(name)
+            if isinstance(now, Mapping):
+                last = last or {}
                 gained = {tier: amount - last.get(tier, 0) for tier, amount in now.items() if amount != last.get(tier, 0)}
             else:
-                gained = now - self._last.get(figure.field, 0)
+                gained = now - (last or 0)
             if gained:
-                data[figure.name] = gained
-            self._last[figure.field] = now
+                data[name] = gained
+        self._last = dict(figures)
         return KvtierStats(data=data) if data else None
 
 

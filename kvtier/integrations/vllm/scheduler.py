@@ -53,7 +53,7 @@ from kvtier.integrations.vllm.common import (
     save_spans,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.metrics import Interval, KvtierStats
+from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -378,9 +378,12 @@ class KvtierScheduler:
             return None
         return {PREFILLED_PARAM: tracked.saved_upto if tracked is not None and self.config.save else 0}
 
+    def figures(self) -> dict:
+        return totals(self.stats.as_dict())
+
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The step's figures for vLLM's metrics."""
-        return self._interval.take(self.stats.as_dict())
+        return self._interval.take(self.figures())
 
     def shutdown(self) -> None:
         self.backend.close()

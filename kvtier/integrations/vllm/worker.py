@@ -37,7 +37,7 @@ from kvtier.integrations.vllm.common import (
     pages,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.metrics import Interval, KvtierStats
+from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
 from kvtier.integrations.vllm.saver import Saver
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
@@ -163,9 +163,12 @@ class KvtierWorker:
         jobs = self._saver.take_finished_jobs()
         return KvtierWorkerMetadata({job_id: 1 for job_id in jobs}) if jobs else None
 
+    def figures(self) -> dict:
+        return totals(dataclasses.asdict(self.stats))
+
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The step's figures for vLLM's metrics (saves finished since the last step included)."""
-        return self._interval.take(dataclasses.asdict(self.stats))
+        return self._interval.take(self.figures())
 
     def shutdown(self) -> None:
         if self._releaser is not None:
