@@ -1,5 +1,3 @@
-import threading
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,12 +23,6 @@ def obj(i: int, tokens: int = 1) -> bytearray:
 def tier(pages: int, **kw) -> MemoryTier:
     return MemoryTier(pages * PAGE, **kw)
 
-
-def test_put_get_roundtrip():
-    t = tier(16)
-    assert t.put([(key(1), obj(1))]) == [True]
-    assert t.get([key(1), key(2)]) == [bytes(obj(1)), None]
-    assert t.contains([key(1), key(2)]) == [True, False]
 
 
 def test_uncommitted_object_is_invisible():
@@ -178,28 +170,3 @@ def test_capacity_is_never_exceeded(ops, policy, watermark):
             assert bytes(lease.view) == expected  # a held object never changes
         alive = [k for k, hit in zip(contents, t.contains([key(k) for k in contents])) if hit]
         assert usage.used_bytes >= sum(align_up(len(contents[k])) for k in alive)
-
-
-def test_concurrent_puts_and_gets_keep_bytes_intact():
-    t = MemoryTier(64 * PAGE)
-    errors = []
-
-    def worker(base):
-        try:
-            for i in range(300):
-                k = base + i % 40
-                data = obj(k, tokens=1 + k % 3)
-                t.put([(key(k), data)])
-                got = t.get([key(k)])[0]
-                if got is not None and got != bytes(data):
-                    errors.append(k)
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(b,)) for b in (0, 20, 40, 60)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors
-    assert t.usage().used_bytes <= t.capacity

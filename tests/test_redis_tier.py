@@ -10,7 +10,6 @@ import redis
 from kvtier.config import parse_adapter
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
-from kvtier.layout import KVLayout
 from kvtier.metrics import ServerMetrics
 from kvtier.objects import build_object, read_header
 from kvtier.store import TieredStore
@@ -18,16 +17,7 @@ from kvtier.build import build_tier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.redis import RedisTier, redacted_url
 from kvtier_testing.servers import RedisServer
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")  # 256 bytes per token
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(32, "little")
-
-
-def obj(i: int, tokens: int = 2) -> bytes:
-    return bytes(build_object(key(i), LAYOUT, tokens, bytes([i % 256]) * (tokens * LAYOUT.bytes_per_token)))
+from kvtier_testing.tier_objects import LAYOUT, key, obj, wait_until
 
 
 def raw_client(server: RedisServer) -> redis.Redis:
@@ -40,13 +30,6 @@ def fast(url: str, **kwargs) -> RedisTier:
     return RedisTier(url, initial_backoff_s=0.05, max_backoff_s=0.2, **kwargs)
 
 
-def wait_until(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def tier(redis_server):
     t = RedisTier(redis_server.url)
@@ -54,22 +37,6 @@ def tier(redis_server):
     t.close()
 
 
-def test_put_get_roundtrip_in_batches(tier):
-    assert tier.healthy and tier.stats.extra["healthy"] == 1
-    assert tier.put([(key(1), obj(1, 3)), (key(2), obj(2))]) == [True, True]
-    got = tier.get([key(1), key(3), key(2)])
-    assert [None if g is None else bytes(g) for g in got] == [obj(1, 3), None, obj(2)]
-    assert tier.contains([key(2), key(3), key(1)]) == [True, False, True]
-    s = tier.stats
-    assert (s.puts, s.hits, s.misses, s.get_bytes) == (2, 2, 1, len(obj(1, 3)) + len(obj(2)))
-    assert tier.delete([key(1), key(3)]) == 1 and tier.contains([key(1)]) == [False]
-
-
-def test_get_into_fills_the_given_buffer(tier):
-    tier.put([(key(1), obj(1))])
-    buffers = []
-    view = tier.get_into(key(1), lambda size: buffers.append(memoryview(bytearray(size))) or buffers[-1])
-    assert bytes(view) == obj(1) and view.obj is buffers[0].obj
 
 
 def test_objects_are_stored_once(tier, redis_server):
@@ -78,11 +45,6 @@ def test_objects_are_stored_once(tier, redis_server):
     assert tier.put([(key(1), other)]) == [True]  # there already: SET NX leaves it alone
     assert bytes(tier.get([key(1)])[0]) == obj(1) and tier.stats.puts == 1
 
-
-def test_put_refuses_what_is_not_an_object_for_its_key(tier):
-    assert tier.put([(key(1), obj(2)), (key(3), b"junk"), (key(4), obj(4) + b"tail")]) == [False, False, True]
-    assert tier.stats.rejected_puts == 2 and tier.contains([key(1), key(3)]) == [False, False]
-    assert bytes(tier.get([key(4)])[0]) == obj(4)  # stored without the trailing bytes
 
 
 def test_key_prefix_keeps_tiers_apart(redis_server):

@@ -9,31 +9,15 @@ import pytest
 from kvtier.config import parse_adapter
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
-from kvtier.layout import KVLayout
 from kvtier.objects import build_object, read_header
 from kvtier.store import TieredStore
 from kvtier.build import build_tier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.s3 import S3Tier
+from kvtier_testing.tier_objects import LAYOUT, key, obj, wait_until
 from kvtier_testing.servers import S3_BUCKET, SeaweedS3
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float32")  # 256 bytes per token
 _prefixes = itertools.count()
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(32, "little")
-
-
-def obj(i: int, tokens: int = 2) -> bytes:
-    return bytes(build_object(key(i), LAYOUT, tokens, bytes([i % 256]) * (tokens * LAYOUT.bytes_per_token)))
-
-
-def wait_until(condition, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -56,27 +40,6 @@ def make_tier(s3_server, s3_credentials, prefix):
         tier.close()
 
 
-def test_put_get_roundtrip_in_batches(make_tier):
-    tier = make_tier()
-    assert tier.healthy and tier.stats.extra["healthy"] == 1
-    items = [(key(i), obj(i, 1 + i % 3)) for i in range(12)]
-    assert tier.put(items) == [True] * 12
-    got = tier.get([key(0), key(99), key(5)])
-    assert [None if g is None else bytes(g) for g in got] == [obj(0, 1), None, obj(5, 3)]
-    assert tier.contains([key(11), key(12)]) == [True, False]
-    assert tier.usage().objects == 12 and tier.usage().capacity_bytes == 0
-    s = tier.stats
-    assert (s.puts, s.hits, s.misses) == (12, 2, 1) and s.put_bytes == sum(len(o) for _, o in items)
-    assert tier.delete([key(0), key(1)]) == 2 and tier.contains([key(0), key(2)]) == [False, True]
-    assert tier.clear() == 10 and tier.contains([key(2)]) == [False]
-
-
-def test_get_into_streams_into_the_given_buffer(make_tier):
-    tier = make_tier()
-    tier.put([(key(1), obj(1, 8))])
-    buffers = []
-    view = tier.get_into(key(1), lambda size: buffers.append(memoryview(bytearray(size))) or buffers[-1])
-    assert bytes(view) == obj(1, 8) and view.obj is buffers[0].obj
 
 
 def test_conditional_write_keeps_the_stored_object(make_tier, s3_server, prefix):

@@ -16,7 +16,7 @@ import msgspec
 
 from kvtier.errors import ConfigError
 from kvtier.events import Medium
-from kvtier.objects import ensure_sealed, read_header
+from kvtier.objects import ensure_sealed
 from kvtier.schema import GB, EvictionPolicyName, Fraction, NonNegativeFraction, PositiveGB
 from kvtier.tiers.arena import Allocator, align_up, allocate_buffer
 from kvtier.tiers.base import Tier, TierUsage
@@ -196,8 +196,10 @@ class MemoryTier(Tier):
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         results = []
         for key, data in items:
-            data = memoryview(data).cast("B")
-            read_header(data)  # refuse what is not an object before it takes room
+            data = self._whole_object(key, data)  # refuse what is not an object before it takes room
+            if data is None:
+                results.append(False)
+                continue
             reservation = self.reserve(key, len(data))
             if reservation is None:
                 results.append(self.contains([key])[0])
