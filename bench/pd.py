@@ -55,11 +55,8 @@ from kvtier_testing.services import (
 )
 from kvtier_testing.targets import Target, add_check_flag, exit_code, report
 from kvtier_testing.timing import best_of
-from kvtier_testing.tiny_model import DEFAULT_CONFIG, build_tiny_model
+from kvtier_testing.tiny_model import build_tiny_model
 
-BLOCK = 128  # vLLM CPU backend
-BYTES_PER_TOKEN = DEFAULT_CONFIG["num_hidden_layers"] * 2 * DEFAULT_CONFIG["num_key_value_heads"] \
-    * DEFAULT_CONFIG["head_dim"] * 4  # float32
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -128,7 +125,7 @@ def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -
             stage, store = p1["stage_seconds"] - p0["stage_seconds"], p1["save_seconds"] - p0["save_seconds"]
             load, retrieve = c1["load_seconds"] - c0["load_seconds"], c1["retrieve_seconds"] - c0["retrieve_seconds"]
             loaded = c1["loaded_tokens"] - c0["loaded_tokens"]
-            nbytes = -(-loaded // BLOCK) * BLOCK * BYTES_PER_TOKEN  # whole pages
+            nbytes = c1["load_bytes"] - c0["load_bytes"]  # whole pages, as the connector copied them
             src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
             memcpy = best_of(5, lambda: np.copyto(dst, src))
             rows.append({"tokens": len(prompt), "loaded": loaded, "computed": len(prompt) - decoded["num_cached_tokens"],
