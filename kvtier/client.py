@@ -1,9 +1,9 @@
-"""The client engine connectors use to talk to ``kvtier server``.
+"""``KvtierClient``: ``kvtier server`` as a key store (``keystore.KeyStore``), for a
+``TokenCache`` in an engine's process; the same protocol as an embedded ``TieredStore``.
 
-It offers the same token-level calls as an embedded ``TieredStore`` (``lookup``, ``retrieve``,
-``store``), so a connector works with either. It fails open: when the server is down, slow or
-answers with an error, a lookup or retrieve is a miss and a store is dropped (all counted), and
-no call takes longer than ``timeout_s``. After a failure it waits ``backoff`` before asking again
+It is transport and failing open only: when the server is down, slow or answers with an error,
+a locate or acquire is a miss and a commit is dropped (all counted), and no call takes longer
+than ``timeout_s``. After a failure it waits ``backoff`` before asking again
 (calls meanwhile are instant misses), then reconnects by itself and says hello again.
 
 KV bytes go through the server's shared-memory arena when this process can map it (same host,
@@ -20,15 +20,14 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import zmq
 
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkSpan, Namespace, chunk_spans, spans_within
-from kvtier.objects import HEADER_SIZE, object_size, seal
-from kvtier.server import protocol as p
-from kvtier.server.shm import ARENA_OFFSET, SharedArena
-from kvtier.store import FillFn, LookupResult, Retrieval, payload_chunks
+from kvtier.events import CacheEvent
+from kvtier.keys import ChunkSpan
+from kvtier.keystore import Lease, Located, Reservation
+from kvtier.wire import protocol as p
+from kvtier.wire.shm import ARENA_OFFSET, SharedArena
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +47,7 @@ class ClientStats:
     timeouts: int = 0
     server_errors: int = 0
     skipped_while_down: int = 0
-    dropped_stores: int = 0
-    refused_objects: int = 0
+    dropped_stores: int = 0  # commits that did not reach the server
     reconnects: int = 0
 
 
@@ -78,7 +76,8 @@ class KvtierClient:
         self._lock = threading.RLock()
         self._down_until = 0.0
         self._backoff = 0.1
-        self._scratch = memoryview(b"")
+        self._scratch = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
+        self._scratch_free = threading.Lock()  # held while a frames-mode write fills the scratch
 
     # -- connection --------------------------------------------------------------------------
 
@@ -174,32 +173,41 @@ class KvtierClient:
                 self._arena = None
             self._context.term()
 
-    # -- the token-level calls (as TieredStore) ----------------------------------------------
+    # -- the key-store protocol --------------------------------------------------------------
 
-    def _spans(self, namespace: Namespace, tokens, deadline: float) -> list[ChunkSpan]:
-        if self.chunk_size is None:  # never connected yet: a ping connects and learns it
-            self._call(p.Ping(), deadline=deadline)
-        return chunk_spans(namespace, tokens, self.chunk_size)
+    @property
+    def reachable(self) -> bool:
+        """False while the last call failed and calls are instant misses (a backoff)."""
+        return time.monotonic() >= self._down_until
 
-    def lookup(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> LookupResult:
-        deadline = time.monotonic() + self.timeout_s
+    def ping(self) -> bool:
         try:
-            spans = self._spans(namespace, tokens, deadline)
-            reply, _ = self._call(
-                p.Lookup(keys=[s.key for s in spans], tokens=[s.num_tokens for s in spans]), deadline=deadline
-            )
+            self._call(p.Ping())
+            return True
         except Unavailable:
-            return LookupResult(0, [], [])
-        hit = spans[: len(reply.tiers)]
-        return LookupResult(hit[-1].end if hit else 0, hit, list(reply.tiers))
+            return False
 
-    def retrieve(
-        self, namespace: Namespace, tokens: Sequence[int] | np.ndarray, max_tokens: int | None = None
-    ) -> Retrieval:
-        deadline = time.monotonic() + self.timeout_s
+    def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = ()) -> Located:
+        flat = [(i, span) for i, group in enumerate(partials) for span in group]
+        request = p.Lookup(
+            keys=[s.key for s in spans], ends=[s.end for s in spans],
+            partials=[s.key for _, s in flat], partial_at=[i for i, _ in flat], partial_ends=[s.end for _, s in flat],
+        )
         try:
-            spans = spans_within(self._spans(namespace, tokens, deadline), end=max_tokens)
-            keys = [s.key for s in spans]
+            reply, _ = self._call(request)
+        except Unavailable:
+            return Located()
+        if reply.partial < 0:
+            return Located(list(reply.tiers))
+        first = next(j for j, (i, _) in enumerate(flat) if i == len(reply.tiers))
+        return Located(list(reply.tiers), reply.partial - first, reply.partial_tier)
+
+    def acquire(self, keys: Sequence[bytes], checksum: bool = False) -> list[Lease]:
+        """Objects in the server's arena are leased there (one lease for the call); the rest
+        come as frames, checked by the caller (``Lease.checked`` is False)."""
+        deadline = time.monotonic() + self.timeout_s
+        keys = list(keys)
+        try:
             with self._lock:  # the arena must not change between the request and reading it
                 request = lambda: p.Retrieve(keys=keys, inline=self._arena is None, arena=self._arena_id)  # noqa: E731
                 try:
@@ -208,121 +216,114 @@ class KvtierClient:
                     reply, frames = self._call(request, deadline=deadline)
                 arena = self._arena
         except Unavailable:
-            return Retrieval([], lambda: None)
+            return []
         frames = iter(frames)
-        objects = [
-            memoryview(arena.memory)[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size].toreadonly()
-            if offset >= 0 else next(frames)
-            for offset, size in zip(reply.offsets, reply.sizes)
-        ]
-        # Bytes that crossed a socket are checked in full; the shared arena is the server's memory.
-        chunks = payload_chunks(spans, objects, namespace.layout, [offset < 0 for offset in reply.offsets])
-        self.stats.refused_objects += len(chunks) < len(objects)
-        return Retrieval(chunks, lambda: self._release(reply.lease))
+        leases = []
+        for key, offset, size in zip(keys, reply.offsets, reply.sizes):
+            if offset >= 0:
+                view = memoryview(arena.memory)[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size].toreadonly()
+                leases.append(Lease(key, view, offset, pinned=True, lease=reply.lease))
+            else:
+                leases.append(Lease(key, next(frames), pinned=False, checked=False))
+        return leases
 
-    def _release(self, lease: int) -> None:
-        if lease:
+    def release(self, leases: Sequence[Lease]) -> None:
+        for lease in {lease.lease for lease in leases if lease.pinned and lease.lease}:
             try:
                 self._call(p.Release(lease=lease))
             except Unavailable:
                 pass  # the server lets the lease expire
 
-    def store(
-        self,
-        namespace: Namespace,
-        tokens: Sequence[int] | np.ndarray,
-        fill: FillFn,
-        start: int = 0,
-        end: int | None = None,
-    ) -> int:
+    def reserve(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation | None]:
+        """Slots in the server's arena (one round trip) where this process maps it; otherwise
+        buffers here, sent as frames by ``commit``. Nothing (a dropped store) while unreachable."""
+        if not items:
+            return []
         deadline = time.monotonic() + self.timeout_s
         try:
-            spans = spans_within(self._spans(namespace, tokens, deadline), start, end)
-        except Unavailable:
-            self.stats.dropped_stores += 1
-            return 0
-        return self._store_spans(namespace, spans, fill, deadline)
-
-    def store_spans(self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn) -> int:
-        """Store these chunks (in order; those cached already are skipped); spans must come from
-        this server's chunk size."""
-        return self._store_spans(namespace, spans, fill, time.monotonic() + self.timeout_s)
-
-    def _store_spans(self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn, deadline: float) -> int:
-        try:
-            if not spans:
-                return 0
             for attempt in (1, 2):
                 try:
                     with self._lock:
                         with self._failing_open():
                             self._ensure_connected(deadline)  # so the arena is known
                         if self._arena is not None:
-                            return self._store_shared(namespace, spans, fill, deadline)
-                    return self._store_frames(namespace, spans, fill, deadline)
+                            return self._reserve_shared(items, deadline)
+                    return self._reserve_frames(items)
                 except StaleArena:
                     if attempt == 2:
                         raise
         except Unavailable:
             self.stats.dropped_stores += 1
-            return 0
+        return []
 
-    def _store_shared(self, namespace: Namespace, spans: list[ChunkSpan], fill: FillFn, deadline: float) -> int:
-        """Reserve slots, fill them in place, commit: no KV byte crosses the socket."""
-        layout = namespace.layout
-        sizes = [object_size(layout.payload_bytes(s.num_tokens)) for s in spans]
-        reply, _ = self._call(p.Reserve(keys=[s.key for s in spans], sizes=sizes, arena=self._arena_id), deadline=deadline)
+    def _reserve_shared(self, items: Sequence[tuple[bytes, int]], deadline: float) -> list[Reservation | None]:
+        keys, sizes = [key for key, _ in items], [size for _, size in items]
+        reply, _ = self._call(p.Reserve(keys=keys, sizes=sizes, arena=self._arena_id), deadline=deadline)
         memory = memoryview(self._arena.memory)
-        slots = [slot for state, slot in zip(reply.states, reply.slots) if state == "slot"]
-        try:
-            for span, size, state, offset in zip(spans, sizes, reply.states, reply.offsets):
-                if state != "slot":
-                    continue
-                view = memory[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size]
-                fill(span, view[HEADER_SIZE:])
-                seal(view, span.key, layout, span.num_tokens, checksum=False)  # the server seals it if it leaves memory
-        except BaseException:
-            try:
-                self._call(p.Abort(slots=slots))
-            except Unavailable:
-                pass  # the reservations expire on the server
-            raise
-        if not slots:
-            return 0
-        reply, _ = self._call(p.Commit(slots=slots), deadline=deadline)
-        return sum(reply.committed)
+        reservations: list[Reservation | None] = []
+        for key, size, state, slot, offset in zip(keys, sizes, reply.states, reply.slots, reply.offsets):
+            if state == "full":
+                break
+            if state == "cached":
+                reservations.append(None)
+                continue
+            view = memory[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size]
+            reservations.append(Reservation(key, view, offset, slot))  # sealed by the server if it leaves memory
+        return reservations
 
-    def _store_frames(self, namespace: Namespace, spans: list[ChunkSpan], fill: FillFn, deadline: float) -> int:
-        """Build sealed objects in a scratch buffer reused across calls (a fresh buffer per call
-        would cost a page fault per 4 KiB) and send them as frames."""
-        layout = namespace.layout
-        sizes = [object_size(layout.payload_bytes(s.num_tokens)) for s in spans]
-        with self._lock:
-            if len(self._scratch) < sum(sizes):
-                self._scratch = memoryview(mmap.mmap(-1, sum(sizes)))
-            objects, offset = [], 0
-            for span, size in zip(spans, sizes):
-                buf = self._scratch[offset : offset + size]
-                fill(span, buf[HEADER_SIZE:])
-                seal(buf, span.key, layout, span.num_tokens)
-                objects.append(buf)
-                offset += size
-            reply, _ = self._call(p.Put(keys=[s.key for s in spans]), objects, deadline=deadline)
-        return sum(reply.stored)
+    def _reserve_frames(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation]:
+        """Buffers for sealed objects: the scratch buffer reused across writes where no other
+        write holds it (a fresh buffer per call would cost a page fault per 4 KiB)."""
+        total = sum(size for _, size in items)
+        if self._scratch_free.acquire(blocking=False):
+            if len(self._scratch) < total:
+                self._scratch = memoryview(mmap.mmap(-1, total))
+            buffer = self._scratch
+        else:
+            buffer = memoryview(bytearray(total))
+        reservations, offset = [], 0
+        for key, size in items:
+            reservations.append(Reservation(key, buffer[offset : offset + size], checksum=True))
+            offset += size
+        return reservations
+
+    def _done_with(self, reservations: Sequence[Reservation]) -> None:
+        """Hand the scratch buffer back if these frames-mode slots held it."""
+        if reservations and not reservations[0].slot and reservations[0].view.obj is self._scratch.obj:
+            self._scratch_free.release()
+
+    def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        if not reservations:
+            return []
+        try:
+            if reservations[0].slot:
+                reply, _ = self._call(p.Commit(slots=[r.slot for r in reservations]))
+                return list(reply.committed)
+            reply, _ = self._call(p.Put(keys=[r.key for r in reservations]), [r.view for r in reservations])
+            return list(reply.stored)
+        except Unavailable:
+            self.stats.dropped_stores += 1
+            return [False] * len(reservations)
+        finally:
+            self._done_with(reservations)
+
+    def abort(self, reservations: Sequence[Reservation]) -> None:
+        slots = [r.slot for r in reservations if r.slot]
+        try:
+            if slots:
+                self._call(p.Abort(slots=slots))
+        except Unavailable:
+            pass  # the reservations expire on the server
+        finally:
+            self._done_with(reservations)
+
+    def take_events(self) -> list[CacheEvent]:
+        try:
+            return list(self._call(p.TakeEvents())[0].events)
+        except Unavailable:
+            return []
 
     # -- admin -------------------------------------------------------------------------------
-
-    @property
-    def backing_off(self) -> bool:
-        """Whether the last call failed and calls are instant misses for now (a backoff)."""
-        return time.monotonic() < self._down_until
-
-    def ping(self) -> bool:
-        try:
-            self._call(p.Ping())
-            return True
-        except Unavailable:
-            return False
 
     def status(self) -> dict:
         return self._call(p.Status())[0].status

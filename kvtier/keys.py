@@ -1,10 +1,15 @@
 """Chunk keys: deterministic names for prefixes of a token sequence.
 
-Tokens are cut into fixed-size chunks; chunk i's key is ``blake3(key[i-1] || len || tokens[i])``
+Tokens are cut into fixed-size chunks; chunk i's key is ``blake3(key[i-1] || tokens[i] || len)``
 with ``key[-1]`` derived from the namespace. A key therefore names a whole prefix under one
 namespace, and a lookup is a walk from chunk 0 until the first miss. Only blake3 over canonical
 bytes (tokens as little-endian uint32) is used: never Python's ``hash()``, whose value depends on
 PYTHONHASHSEED, the process and the Python version.
+
+The length comes last (key format 2) so that one pass over a chunk's tokens also yields the keys
+of its shorter prefixes that end on a block boundary (the partial chunks a lookup may try): the
+hasher's state is copied at each boundary and finished there. Objects stored under key format 1
+simply miss.
 """
 
 from __future__ import annotations
@@ -23,10 +28,19 @@ from kvtier.errors import ConfigError
 from kvtier.layout import KVLayout
 
 #: Bumped whenever the way keys are computed changes, so old objects are never mistaken for new.
-KEY_FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = 2
 KEY_SIZE = 32
 _LENGTH = struct.Struct("<I")
 _UINT32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
+
+
+#: blake3 passes over a chunk's tokens in this process: tests and benchmarks read it to check that
+#: each chunk of a request is hashed once (``chunk_hashes()``).
+_chunk_hashes = 0
+
+
+def chunk_hashes() -> int:
+    return _chunk_hashes
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,40 @@ def canonical_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return tokens.astype("<u4", copy=False)
 
 
+class PrefixKeys(NamedTuple):
+    """The keys of a token sequence: every chunk, the last one shorter where the tokens end
+    inside it; and per chunk, the keys of its shorter prefixes that end on a block boundary,
+    longest first (the partial chunks stored where an earlier prompt ended)."""
+
+    spans: list[ChunkSpan]
+    partials: list[list[ChunkSpan]]
+
+
+def prefix_keys(
+    namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_size: int, block_size: int | None = None
+) -> PrefixKeys:
+    """Every chunk's key, each chunk's tokens hashed once; with ``block_size``, the partial
+    chunks too, from the same pass."""
+    global _chunk_hashes
+    _check_size("chunk_size", chunk_size)
+    if block_size is not None:
+        _check_size("block_size", block_size)
+        if chunk_size % block_size:
+            raise ConfigError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
+    data = canonical_tokens(tokens)
+    spans, partials = [], []
+    previous = namespace.root
+    for start in range(0, len(data), chunk_size):
+        end = min(start + chunk_size, len(data))
+        ends = [*range(start + block_size, end, block_size)] if block_size else []
+        keys = chain_keys(previous, data[start:end], [e - start for e in ends] + [end - start])
+        _chunk_hashes += 1
+        previous = keys[-1]
+        spans.append(ChunkSpan(previous, start, end))
+        partials.append([ChunkSpan(k, start, e) for k, e in zip(reversed(keys[:-1]), reversed(ends))])
+    return PrefixKeys(spans, partials)
+
+
 def chunk_spans(
     namespace: Namespace,
     tokens: Sequence[int] | np.ndarray,
@@ -98,27 +146,31 @@ def chunk_spans(
 ) -> list[ChunkSpan]:
     """Keys of every chunk of ``tokens``; the last, shorter chunk too when ``include_partial``,
     so that short prompts and prompt tails are cached as well."""
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    data = canonical_tokens(tokens)
-    spans = []
-    previous = namespace.root
-    for start in range(0, len(data), chunk_size):
-        end = min(start + chunk_size, len(data))
-        if end - start < chunk_size and not include_partial:
-            break
-        previous = chain_key(previous, data[start:end])
-        spans.append(ChunkSpan(previous, start, end))
-    return spans
+    _check_size("chunk_size", chunk_size)
+    if not include_partial:
+        tokens = canonical_tokens(tokens)
+        tokens = tokens[: len(tokens) // chunk_size * chunk_size]
+    return prefix_keys(namespace, tokens, chunk_size).spans
 
 
-def chain_key(previous: bytes, chunk: np.ndarray) -> bytes:
-    """The key of ``chunk`` (canonical tokens) after the chunk keyed ``previous`` (the
-    namespace root before the first chunk): each key names its whole prefix."""
+def _check_size(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def chain_keys(previous: bytes, chunk: np.ndarray, ends: Sequence[int]) -> list[bytes]:
+    """The keys of ``chunk[:e]`` (canonical tokens) for each of the ascending ``ends``, after the
+    chunk keyed ``previous`` (the namespace root before the first chunk), in one pass over the
+    tokens: each key names its whole prefix."""
     h = blake3.blake3(previous)
-    h.update(_LENGTH.pack(len(chunk)))
-    h.update(chunk.tobytes())
-    return h.digest(KEY_SIZE)
+    keys, done = [], 0
+    for end in ends:
+        h.update(chunk[done:end].view(np.uint8))
+        done = end
+        final = h.copy()
+        final.update(_LENGTH.pack(end))
+        keys.append(final.digest(KEY_SIZE))
+    return keys
 
 
 def spans_within(spans: Sequence[ChunkSpan], start: int = 0, end: int | None = None) -> list[ChunkSpan]:

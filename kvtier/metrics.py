@@ -2,7 +2,8 @@
 
 Counters that the store and tiers keep anyway (usage, evictions, corrupt objects, dropped
 writes) are read at scrape time by a collector, not counted twice; what only the server sees
-(lookups, tokens, bytes and latency per operation, protocol errors, clients) is counted here.
+(requests, lookups, tokens, bytes and latency per operation, protocol errors, clients) is
+counted here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class ServerMetrics:
     def __init__(self, store: TieredStore, connected_clients: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.requests = Counter("kvtier_requests", "Requests received, by type (round trips)", ["op"], registry=r)
         self.lookups = Counter("kvtier_lookups", "Lookup requests", registry=r)
         self.requested_tokens = Counter("kvtier_lookup_requested_tokens", "Tokens asked for in lookups", registry=r)
         self.hit_tokens = Counter("kvtier_lookup_hit_tokens", "Tokens found in lookups, by tier", ["tier"], registry=r)
@@ -52,14 +54,14 @@ class ServerMetrics:
         client_errors: dict[str, int] = {}
         expired: dict[str, int] = {}
         values: dict[str, float] = {}
-        for family in (self.lookups, self.requested_tokens, self.hit_tokens, self.stored_tokens, self.retrieve_bytes,
-                       self.latency, self.client_errors, self.expired):
+        for family in (self.requests, self.lookups, self.requested_tokens, self.hit_tokens, self.stored_tokens,
+                       self.retrieve_bytes, self.client_errors, self.expired):
             for metric in family.collect():
                 for sample in metric.samples:
                     name, labels, value = sample.name, sample.labels, int(sample.value)
                     if name == "kvtier_lookup_hit_tokens_total":
                         hit_tokens[labels["tier"]] = value
-                    elif name == "kvtier_request_seconds_count":
+                    elif name == "kvtier_requests_total":
                         requests[labels["op"]] = value
                     elif name == "kvtier_client_errors_total":
                         client_errors[labels["code"]] = value

@@ -1,16 +1,14 @@
-"""TieredStore: one cache over an L1 memory tier and any number of lower tiers.
+"""TieredStore: a key store (``keystore.KeyStore``) over an L1 memory tier and any number of
+lower tiers.
 
-    store:    engine KV --fill--> L1 slot --commit--> (async, bounded) --> each lower tier
-    lookup:   keys of the prompt's chunks --> longest contiguous prefix found in L1 or below
-    retrieve: that prefix as pinned views; lower-tier hits are checked and promoted into L1
+    write:    reserve an L1 slot --fill--> commit --> (async, bounded) --> each lower tier
+    locate:   keys of a prompt's chunks --> longest contiguous prefix found in L1 or below
+    acquire:  that prefix as pinned views; lower-tier hits are checked and promoted into L1
 
 Writes below L1 never block the caller: they go through a queue bounded in bytes, and when it is
-full the write is dropped and counted. A chunk is visible only once its slot is committed, and a
-lookup stops at the first missing chunk, so a store that failed part-way is never seen.
-
-The key-level methods (``locate``, ``acquire``/``release``, ``reserve``/``commit``/``abort``)
-are what a server exposes; the token-level ones (``lookup``, ``retrieve``, ``store``) add chunking
-and the layout check for callers in the engine's process.
+full the write is dropped and counted. An object is visible only once its slot is committed, and
+a lookup stops at the first missing chunk, so a store that failed part-way is never seen. The
+token level (chunking, the layout check, fill-and-seal) is ``kvtier.cache.TokenCache``'s.
 """
 
 from __future__ import annotations
@@ -18,90 +16,24 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
-
-from kvtier.errors import ObjectError
 from kvtier.events import CacheEvent
-from kvtier.keys import ChunkSpan, Namespace, chunk_spans, spans_within
-from kvtier.layout import KVLayout
-from kvtier.objects import HEADER_SIZE, decode_payload, object_size, seal
+from kvtier.keys import ChunkSpan
+from kvtier.keystore import Lease, Located, Reservation
 from kvtier.tiers.base import Tier
-from kvtier.tiers.memory import Lease, MemoryTier, Reservation
+from kvtier.tiers.memory import MemoryTier
 
 log = logging.getLogger(__name__)
-
-#: Fills ``dest`` (exactly ``layout.payload_bytes(span.num_tokens)`` bytes) with the raw KV of
-#: the tokens ``span`` covers.
-FillFn = Callable[[ChunkSpan, memoryview], None]
-
-
-@dataclass
-class LookupResult:
-    hit_tokens: int
-    spans: list[ChunkSpan]  # the chunks of the hit prefix, in order
-    tiers: list[str]  # the name of the tier that holds each of them (the highest one)
-
-
-@dataclass
-class RetrievedChunk:
-    span: ChunkSpan
-    payload: memoryview  # raw KV of the chunk, read-only
-
-
-@dataclass
-class Retrieval:
-    """The retrieved prefix; a context manager that releases L1 pins on exit."""
-
-    chunks: list[RetrievedChunk]
-    _release: Callable[[], None] = field(repr=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.chunks[-1].span.end if self.chunks else 0
-
-    def close(self) -> None:
-        self._release()
-
-    def __enter__(self) -> "Retrieval":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 @dataclass
 class StoreStats:
-    stored_chunks: int = 0
-    stored_tokens: int = 0
-    skipped_chunks: int = 0  # already cached
-    failed_chunks: int = 0  # no room in L1
     queued_writes: int = 0
     dropped_writes: int = 0  # lower-tier write queue full
     failed_writes: int = 0  # a lower tier refused or failed
     promotions: int = 0
-    refused: int = 0  # objects that did not fit the key or layout they were read for
-
-
-def payload_chunks(
-    spans: Sequence[ChunkSpan], objects: Sequence[memoryview], layout: KVLayout, verify: Sequence[bool]
-) -> list[RetrievedChunk]:
-    """The raw KV of each object of a retrieved prefix, checked against its span and layout (and
-    its checksum where ``verify`` says); stops at the first object that does not fit (the rest
-    of the prefix is then a miss)."""
-    chunks = []
-    for span, obj, verify_checksum in zip(spans, objects, verify):
-        try:
-            payload = decode_payload(obj, span.key, layout, verify_checksum)
-            if len(payload) != layout.payload_bytes(span.num_tokens):
-                raise ObjectError(f"object holds {len(payload)} bytes, its {span.num_tokens} tokens need more or less")
-        except ObjectError as exc:
-            log.error("refusing object %s: %s", span.key.hex()[:16], exc)
-            break
-        chunks.append(RetrievedChunk(span, payload))
-    return chunks
 
 
 class TieredStore:
@@ -137,7 +69,23 @@ class TieredStore:
 
     # -- key level ---------------------------------------------------------------------------
 
-    def locate(self, keys: Sequence[bytes]) -> list[str]:
+    @property
+    def reachable(self) -> bool:
+        return True
+
+    def ping(self) -> bool:
+        return True
+
+    def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = ()) -> Located:
+        tiers = self._locate([s.key for s in spans])
+        candidates = partials[len(tiers)] if len(tiers) < len(partials) else ()
+        for index, span in enumerate(candidates):
+            where = self._locate([span.key])
+            if where:
+                return Located(tiers, index, where[0])
+        return Located(tiers)
+
+    def _locate(self, keys: Sequence[bytes]) -> list[str]:
         """For the longest contiguous cached prefix of ``keys``: the highest tier holding each."""
         where: list[str | None] = [self.l1.name if hit else None for hit in self.l1.contains(keys)]
         for tier in self.lower:
@@ -151,7 +99,7 @@ class TieredStore:
         count = next((i for i, name in enumerate(where) if name is None), len(where))
         return where[:count]  # type: ignore[return-value]
 
-    def acquire(self, keys: Sequence[bytes]) -> list[Lease]:
+    def acquire(self, keys: Sequence[bytes], checksum: bool = False) -> list[Lease]:
         """Whole objects for the longest contiguous cached prefix of ``keys``, promoting
         lower-tier hits into L1. Hand the list back to ``release`` when done."""
         leases = []
@@ -159,6 +107,8 @@ class TieredStore:
             lease = self.l1.lease(key) or self._promote(key)
             if lease is None:
                 break
+            if checksum:  # objects read from lower tiers carry theirs already
+                self.l1.ensure_sealed(lease)
             leases.append(lease)
         return leases
 
@@ -167,17 +117,27 @@ class TieredStore:
             if lease.pinned:
                 self.l1.release(lease)
 
-    def reserve(self, key: bytes, size: int) -> Reservation | None:
-        """An L1 slot for a whole object; None if the key is cached already or there is no room."""
-        return self.l1.reserve(key, size)
+    def reserve(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation | None]:
+        """L1 slots for whole objects: None where the key is cached already; the list ends at
+        the first key there is no room for (or that another writer is filling)."""
+        reservations: list[Reservation | None] = []
+        for key, size in items:
+            reservation = self.l1.reserve(key, size)
+            if reservation is None and not self.l1.contains([key])[0]:
+                break
+            reservations.append(reservation)
+        return reservations
 
-    def commit(self, reservation: Reservation) -> None:
-        """Make a filled, sealed slot visible and queue its write to the lower tiers."""
-        self.l1.commit(reservation)
-        self._queue_write(reservation.key)
+    def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """Make filled, sealed slots visible and queue their writes to the lower tiers."""
+        for reservation in reservations:
+            self.l1.commit(reservation)
+            self._queue_write(reservation.key)
+        return [True] * len(reservations)
 
-    def abort(self, reservation: Reservation) -> None:
-        self.l1.abort(reservation)
+    def abort(self, reservations: Sequence[Reservation]) -> None:
+        for reservation in reservations:
+            self.l1.abort(reservation)
 
     def _promote(self, key: bytes) -> Lease | None:
         """Copy an object as it is from the first lower tier that has it into L1. Where L1 has
@@ -203,70 +163,6 @@ class TieredStore:
         self.l1.commit(reservation)
         self.stats.promotions += 1
         return self.l1.lease(key)  # None only if evicted right away: a miss, never stale bytes
-
-    # -- token level -------------------------------------------------------------------------
-
-    def spans(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[ChunkSpan]:
-        return chunk_spans(namespace, tokens, self.chunk_size)
-
-    def lookup(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> LookupResult:
-        spans = self.spans(namespace, tokens)
-        where = self.locate([span.key for span in spans])
-        hit = spans[: len(where)]
-        return LookupResult(hit[-1].end if hit else 0, hit, where)
-
-    def retrieve(
-        self, namespace: Namespace, tokens: Sequence[int] | np.ndarray, max_tokens: int | None = None
-    ) -> Retrieval:
-        """The longest contiguous cached prefix of ``tokens`` (up to ``max_tokens``) as raw KV,
-        checked against the namespace's layout. Use as a context manager."""
-        spans = spans_within(self.spans(namespace, tokens), end=max_tokens)
-        leases = self.acquire([span.key for span in spans])
-        # L1 holds objects sealed here or checked on the way in: the header check is enough.
-        chunks = payload_chunks(spans, [lease.view for lease in leases], namespace.layout, [False] * len(leases))
-        self.stats.refused += len(chunks) < len(leases)
-        return Retrieval(chunks, lambda: self.release(leases))
-
-    def store(
-        self,
-        namespace: Namespace,
-        tokens: Sequence[int] | np.ndarray,
-        fill: FillFn,
-        start: int = 0,
-        end: int | None = None,
-    ) -> int:
-        """Store the chunks of ``tokens`` that end after ``start`` and no later than ``end``
-        (default: all, with the last partial chunk) and are not cached yet. ``fill`` writes a
-        chunk's raw KV straight into its L1 slot. Returns the number of chunks stored."""
-        return self.store_spans(namespace, spans_within(self.spans(namespace, tokens), start, end), fill)
-
-    def store_spans(self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn) -> int:
-        """Store these chunks (in order; those cached already are skipped)."""
-        layout = namespace.layout
-        stored = 0
-        present = self.l1.contains([s.key for s in spans])
-        for span, in_l1 in zip(spans, present):
-            if in_l1:
-                self.stats.skipped_chunks += 1
-                continue
-            reservation = self.reserve(span.key, object_size(layout.payload_bytes(span.num_tokens)))
-            if reservation is None:
-                if self.l1.contains([span.key])[0]:
-                    self.stats.skipped_chunks += 1
-                    continue
-                self.stats.failed_chunks += 1
-                break  # later chunks would be unreachable without this one
-            try:
-                fill(span, reservation.view[HEADER_SIZE:])
-                seal(reservation.view, span.key, layout, span.num_tokens, checksum=False)
-            except BaseException:
-                self.abort(reservation)
-                raise
-            self.commit(reservation)
-            stored += 1
-            self.stats.stored_chunks += 1
-            self.stats.stored_tokens += span.num_tokens
-        return stored
 
     # -- writes below L1 ---------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import time
 import msgspec
 import zmq
 
-from kvtier.server import protocol as p
+from kvtier.wire import protocol as p
 
 HUGE_FRAME_BYTES = 32 << 20  # far below the server's frame limit, far above any real request
 

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nmean TTFT: cold {cold_total / len(prompts) * 1000:.0f} ms, warm {warm_total / len(prompts) * 1000:.1f} ms "
               f"({cold_total / warm_total:.1f}x)")
         stats = store.stats
-        print(f"store: {stats.stored_chunks} chunks stored in L1, {stats.queued_writes} queued for lower tiers "
+        print(f"store: {cached.cache.stats.stored_chunks} chunks stored in L1, {stats.queued_writes} queued for lower tiers "
               f"({stats.dropped_writes} dropped, {stats.failed_writes} failed), {stats.promotions} promoted into L1")
         ok = all(equal)
         print(f"warm output tokens equal cold ones: {'yes' if ok else 'NO'} ({sum(equal)}/{len(equal)})")

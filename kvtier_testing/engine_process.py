@@ -200,10 +200,15 @@ def _connectors(llm):
 def _stats(llm) -> dict:
     """kvtier's running totals on each side (``KvtierConnector.figures``: named as in vLLM's
     /metrics). Read from the connectors, not from vLLM's metrics: those lag behind by a step,
-    and nothing steps an idle engine after its saves finish."""
+    and nothing steps an idle engine after its saves finish. ``chunk_hashes``: blake3 passes over
+    chunks in this process (the engine runs in it: both sides)."""
+    from kvtier.keys import chunk_hashes
+
     scheduler, worker = _connectors(llm)
     sides = {"scheduler": scheduler, "worker": worker}
-    return {side: connector.figures() for side, connector in sides.items() if hasattr(connector, "figures")}
+    out = {side: connector.figures() for side, connector in sides.items() if hasattr(connector, "figures")}
+    out["chunk_hashes"] = chunk_hashes()
+    return out
 
 
 def _settle(llm, timeout: float = 10) -> None:

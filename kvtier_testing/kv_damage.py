@@ -67,8 +67,8 @@ def damaged(obj: bytes, damage: Callable[[np.ndarray], None], pages: PageView) -
 def replace_objects(store, objects: dict[bytes, bytes]) -> None:
     """Clear the store, then store each object under its key as it is."""
     store.clear()
-    for key, obj in objects.items():
-        reservation = store.reserve(key, len(obj))
-        assert reservation is not None, "no room for the object"
+    reservations = store.reserve([(key, len(obj)) for key, obj in objects.items()])
+    assert len(reservations) == len(objects) and None not in reservations, "no room for the objects"
+    for reservation, obj in zip(reservations, objects.values()):
         reservation.view[:] = obj
-        store.commit(reservation)
+    store.commit(reservations)

@@ -46,15 +46,17 @@ def retrieved_is_exact(retrieval, toks: np.ndarray) -> bool:
 
 
 def main(argv: list[str]) -> None:
+    from kvtier.cache import TokenCache
     from kvtier.client import KvtierClient
 
     action, url, first, count = argv[0], argv[1], int(argv[2]), int(argv[3])
     client = KvtierClient(url, timeout_s=5, use_shared_memory="--frames" not in argv)
+    cache = TokenCache(client)
     toks = tokens(first, count)
     if action == "store":
-        result = {"stored": client.store(NS, toks, fill_for(toks))}
+        result = {"stored": cache.store(NS, toks, fill_for(toks))}
     else:
-        with client.retrieve(NS, toks) as r:
+        with cache.retrieve(NS, toks) as r:
             result = {"tokens": r.num_tokens, "exact": retrieved_is_exact(r, toks)}
     result["shared_memory"] = client._arena is not None
     client.close()

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from kvtier.cache import TokenCache
 from kvtier.blend import BlendConfig, BlendedModel, SegmentStore, segment_namespace, split_segments
 from kvtier.blend.forward import BlendForward, filter_schedule
 from kvtier.blend.rope import rotary_for_model
@@ -203,7 +204,7 @@ def test_cold_prompt_is_exact_and_stores_each_segment_as_made_alone(tiny_hf_mode
     # segment keys are not prefix keys: the prompt's prefix is not cached
     prefix_ns = namespace_for_model(tiny_hf_model, "tiny-llama")
     assert segment_namespace(prefix_ns) == blended.segments.namespace != prefix_ns
-    assert store.lookup(prefix_ns, segments[0]).hit_tokens == 0
+    assert TokenCache(store).lookup(prefix_ns, segments[0]).hit_tokens == 0
 
 
 def test_reordered_documents_with_full_recompute_equal_the_models_forward(tiny_hf_model, store, segments):

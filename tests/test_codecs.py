@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kvtier import errors
+from kvtier.cache import TokenCache
 from kvtier.codecs import codec_by_id, codec_by_name
 from kvtier.config import parse_adapter
 from kvtier.keys import Namespace
@@ -172,10 +173,11 @@ def test_store_reads_an_encoded_lower_tier_back_as_raw_kv(tmp_path, codec):
         dest[:] = np.resize(data, len(dest)).tobytes()
 
     writer = TieredStore(MemoryTier(1 << 22), [lower], chunk_size=16)
-    writer.store(namespace, tokens, fill)
+    writer_cache = TokenCache(writer)
+    writer_cache.store(namespace, tokens, fill)
     writer.flush()
     reader = TieredStore(MemoryTier(1 << 22), [lower], chunk_size=16)  # another process, empty L1
-    with reader.retrieve(namespace, tokens) as got:
+    with TokenCache(reader).retrieve(namespace, tokens) as got:
         assert got.num_tokens == 40 and reader.stats.promotions == 3
         for chunk in got.chunks:
             expected = np.resize(np.frombuffer(payload, np.uint8), chunk.span.num_tokens * lay.bytes_per_token)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, tokens
@@ -47,19 +48,19 @@ def server(tmp_path):
     proc.stop()
 
 
-def drive_traffic(client: KvtierClient, rounds: int, pause: float) -> None:
+def drive_traffic(cache: TokenCache, rounds: int, pause: float) -> None:
     """Prompts that share a long cached prefix (partly evicted from L1 to the disk tier), mixed with
     new prompts, with a hit rate that changes from round to round."""
     shared = tokens(0, 2400)
-    client.store(NS, shared, fill_for(shared))  # 150 chunks: more than L1 holds
+    cache.store(NS, shared, fill_for(shared))  # 150 chunks: more than L1 holds
     for i in range(rounds):
-        client.lookup(NS, tokens(0, 400 + 400 * (i % 5)))
+        cache.lookup(NS, tokens(0, 400 + 400 * (i % 5)))
         fresh = tokens(100_000 + 1000 * i, 200 + 150 * (i % 4))
-        client.lookup(NS, fresh)
+        cache.lookup(NS, fresh)
         if i % 3 == 0:
-            client.store(NS, fresh, fill_for(fresh))
+            cache.store(NS, fresh, fill_for(fresh))
         if i % 4 == 1:
-            with client.retrieve(NS, tokens(0, 480)) as retrieval:  # promotes disk hits into L1
+            with cache.retrieve(NS, tokens(0, 480)) as retrieval:  # promotes disk hits into L1
                 assert retrieval.num_tokens == 480
         time.sleep(pause)
 
@@ -92,6 +93,7 @@ def test_dashboard_shows_the_servers_numbers(server):
     outside: list[str] = []
     errors: list[str] = []
     client = KvtierClient(server.url, timeout_s=5)
+    client_cache = TokenCache(client)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
         try:
@@ -102,7 +104,7 @@ def test_dashboard_shows_the_servers_numbers(server):
             page.goto(server.http + "/dashboard?interval=0.5")
             page.wait_for_function("() => Number(document.body.dataset.polls) >= 2")
 
-            drive_traffic(client, rounds=14, pause=0.35)
+            drive_traffic(client_cache, rounds=14, pause=0.35)
             status = quiet_status(server)
             polled = int(page.evaluate("() => document.body.dataset.polls"))
             page.wait_for_function("(n) => Number(document.body.dataset.polls) >= n", arg=polled + 2)
@@ -186,10 +188,11 @@ def test_dashboard_assets_are_the_packages_own(server):
 
 def test_status_command_prints_a_colored_summary(server):
     client = KvtierClient(server.url, timeout_s=5)
+    client_cache = TokenCache(client)
     try:
         toks = tokens(0, 320)
-        client.store(NS, toks, fill_for(toks))
-        client.lookup(NS, tokens(0, 400))
+        client_cache.store(NS, toks, fill_for(toks))
+        client_cache.lookup(NS, tokens(0, 400))
         env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "100"}
         out = subprocess.run([sys.executable, "-m", "kvtier.cli", "status", "--url", server.http],
                              capture_output=True, text=True, timeout=30, env=env)

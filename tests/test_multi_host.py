@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
@@ -22,16 +23,18 @@ def shared_by_two_hosts(tmp_path, shared: dict, tier_name: str) -> None:
     try:
         toks = tokens(123_000, 100)
         writer = KvtierClient(first.url, timeout_s=5)
-        assert writer.store(NS, toks, fill_for(toks)) == 7
+        writer_cache = TokenCache(writer)
+        assert writer_cache.store(NS, toks, fill_for(toks)) == 7
         deadline = time.monotonic() + 20
         while first.get("/status")["tiers"][2]["stats"]["puts"] < 7:  # written below L1 asynchronously
             assert time.monotonic() < deadline, "host 1 never wrote to the shared tier"
             time.sleep(0.1)
         reader = KvtierClient(second.url, timeout_s=5)
-        assert reader.lookup(NS, toks).tiers == [tier_name] * 7
-        with reader.retrieve(NS, toks) as r:
+        reader_cache = TokenCache(reader)
+        assert reader_cache.lookup(NS, toks).tiers == [tier_name] * 7
+        with reader_cache.retrieve(NS, toks) as r:
             assert r.num_tokens == 100 and retrieved_is_exact(r, toks)
-        assert reader.lookup(NS, toks).tiers == ["memory"] * 7  # promoted into host 2's L1
+        assert reader_cache.lookup(NS, toks).tiers == ["memory"] * 7  # promoted into host 2's L1
         writer.close()
         reader.close()
     finally:

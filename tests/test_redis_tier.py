@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import redis
 
+from kvtier.cache import TokenCache
 from kvtier.config import parse_adapter
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
@@ -184,9 +185,10 @@ def test_store_over_an_unreachable_redis_answers_from_l1(tmp_path):
     namespace = Namespace(model="m", layout=LAYOUT)
     lower = fast(RedisServer(tmp_path / "redis").url)
     store = TieredStore(MemoryTier(1 << 20), [lower], chunk_size=4)
-    stored = store.store(namespace, list(range(8)), lambda span, dest: dest.__setitem__(slice(None), bytes(len(dest))))
+    cache = TokenCache(store)
+    stored = cache.store(namespace, list(range(8)), lambda span, dest: dest.__setitem__(slice(None), bytes(len(dest))))
     store.flush()
-    assert stored == 2 and store.lookup(namespace, list(range(8))).hit_tokens == 8
+    assert stored == 2 and cache.lookup(namespace, list(range(8))).hit_tokens == 8
     assert store.stats.failed_writes == 2 and lower.stats.extra["dropped_puts"] >= 1
     metrics = ServerMetrics(store, lambda: 0).render()
     assert b'kvtier_tier_healthy{tier="redis"} 0.0' in metrics and b'kvtier_tier_healthy{tier="memory"} 1.0' in metrics
@@ -258,13 +260,15 @@ def test_two_hosts_share_one_redis(redis_server):
         dest[:] = data
 
     host1 = TieredStore(MemoryTier(1 << 20), [RedisTier(redis_server.url)], chunk_size=4)
-    host1.store(namespace, tokens, fill)
+    host1_cache = TokenCache(host1)
+    host1_cache.store(namespace, tokens, fill)
     host1.flush()
     host2 = TieredStore(MemoryTier(1 << 20), [RedisTier(redis_server.url)], chunk_size=4)
-    assert host2.lookup(namespace, tokens).tiers == ["redis"] * 3
-    with host2.retrieve(namespace, tokens) as got:
+    host2_cache = TokenCache(host2)
+    assert host2_cache.lookup(namespace, tokens).tiers == ["redis"] * 3
+    with host2_cache.retrieve(namespace, tokens) as got:
         assert [bytes(c.payload) for c in got.chunks] == [payloads[s] for s in (0, 4, 8)]
-    assert host2.lookup(namespace, tokens).tiers == ["memory"] * 3  # promoted
+    assert host2_cache.lookup(namespace, tokens).tiers == ["memory"] * 3  # promoted
     host1.close()
     host2.close()
 

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier.keys import Namespace
 from kvtier_testing.kvtier_processes import ServerProcess
@@ -88,20 +89,21 @@ def test_disk_full_keeps_serving_and_recovers(tmp_path):
         server = fs_server(tmp_path, small / "l2", capacity_gb=0.01)  # the tier thinks it has 10 MB
         try:
             client = KvtierClient(server.url, timeout_s=5)
+            client_cache = TokenCache(client)
             for p in range(60):  # about 1.3 MB of objects for a 512 KiB filesystem
                 toks = tokens(p * 1000, 80)
-                assert client.store(NS, toks, fill_for(toks)) == 5
+                assert client_cache.store(NS, toks, fill_for(toks)) == 5
             wait_for(lambda: l2(server)["stats"]["errors"] > 0)
             assert server.get("/healthcheck") == {"status": "healthy"}
             assert l2(server)["healthy"] is False and 'kvtier_tier_healthy{tier="disk"} 0.0' in server.get("/metrics")
             toks = tokens(59 * 1000, 80)
-            with client.retrieve(NS, toks) as r:  # served from L1 all the same
+            with client_cache.retrieve(NS, toks) as r:  # served from L1 all the same
                 assert r.num_tokens == 80 and retrieved_is_exact(r, toks)
             client.clear()  # frees the disk
             wait_for(lambda: l2(server)["objects"] == 0)
             puts = l2(server)["stats"]["puts"]
             toks = tokens(99_000, 32)
-            client.store(NS, toks, fill_for(toks))
+            client_cache.store(NS, toks, fill_for(toks))
             wait_for(lambda: l2(server)["stats"]["puts"] == puts + 2)  # writes work again
             assert l2(server)["healthy"] is True
             client.close()
@@ -115,12 +117,13 @@ def test_files_damaged_behind_the_servers_back_are_misses(tmp_path):
     try:
         for p in range(4):
             toks = tokens(p * 1000, 32)  # two chunks each
-            KvtierClient(server.url).store(NS, toks, fill_for(toks))
+            TokenCache(KvtierClient(server.url)).store(NS, toks, fill_for(toks))
         wait_for(lambda: l2(server)["objects"] == 8)
         server.stop()
         server.start()  # L1 is empty now: every hit comes from disk
         client = KvtierClient(server.url, timeout_s=5)
-        files = {p: [base / f"{s.key.hex()}.kv" for s in client.lookup(NS, tokens(p * 1000, 32)).spans]
+        client_cache = TokenCache(client)
+        files = {p: [base / f"{s.key.hex()}.kv" for s in client_cache.lookup(NS, tokens(p * 1000, 32)).spans]
                  for p in range(4)}
         assert all(len(f) == 2 for f in files.values())
         data = bytearray(files[0][0].read_bytes())
@@ -131,7 +134,7 @@ def test_files_damaged_behind_the_servers_back_are_misses(tmp_path):
         expected = {0: 0, 1: 0, 2: 16, 3: 32}
         for p, hit in expected.items():
             toks = tokens(p * 1000, 32)
-            with client.retrieve(NS, toks) as r:
+            with client_cache.retrieve(NS, toks) as r:
                 assert r.num_tokens == hit and retrieved_is_exact(r, toks)
         assert l2(server)["stats"]["corrupt"] == 2
         assert not files[0][0].exists() and not files[1][0].exists()
@@ -147,16 +150,17 @@ def test_read_only_directory_keeps_serving_and_recovers(tmp_path):
     server = fs_server(tmp_path, base, capacity_gb=0.05)
     try:
         client = KvtierClient(server.url, timeout_s=5)
+        client_cache = TokenCache(client)
         with mounted(base, "--bind", str(base)):
             subprocess.run(["mount", "-o", "remount,ro,bind", str(base)], check=True)
             toks = tokens(1000, 32)
-            assert client.store(NS, toks, fill_for(toks)) == 2
+            assert client_cache.store(NS, toks, fill_for(toks)) == 2
             wait_for(lambda: l2(server)["stats"]["errors"] >= 2)
             assert l2(server)["healthy"] is False
-            with client.retrieve(NS, toks) as r:
+            with client_cache.retrieve(NS, toks) as r:
                 assert r.num_tokens == 32 and retrieved_is_exact(r, toks)
         toks = tokens(2000, 32)  # the bind mount is gone: writable again
-        client.store(NS, toks, fill_for(toks))
+        client_cache.store(NS, toks, fill_for(toks))
         wait_for(lambda: l2(server)["objects"] == 2)
         assert l2(server)["healthy"] is True
         client.close()
@@ -210,14 +214,15 @@ def test_tenants_never_see_each_others_kv(tmp_path):
     server = ServerProcess(tmp_path).start()
     try:
         client = KvtierClient(server.url)
+        client_cache = TokenCache(client)
         alice = Namespace(model="workload", layout=LAYOUT, tenant_salt=b"tenant-a")
         bob = Namespace(model="workload", layout=LAYOUT, tenant_salt=b"tenant-b")
         toks = tokens(0, 64)
-        assert client.store(alice, toks, fill_for(toks)) == 4
-        assert client.lookup(bob, toks).hit_tokens == 0
-        with client.retrieve(bob, toks) as r:
+        assert client_cache.store(alice, toks, fill_for(toks)) == 4
+        assert client_cache.lookup(bob, toks).hit_tokens == 0
+        with client_cache.retrieve(bob, toks) as r:
             assert r.num_tokens == 0
-        assert client.lookup(alice, toks).hit_tokens == 64
+        assert client_cache.lookup(alice, toks).hit_tokens == 64
         status = json.dumps(server.get("/status")) + server.get("/metrics")
         for secret in (b"tenant-a", alice.root):
             assert secret.hex() not in status and "tenant-a" not in status
@@ -265,8 +270,9 @@ def test_base_path_cannot_reach_outside_files(tmp_path):
     server = fs_server(tmp_path, base, capacity_gb=0.01)
     try:
         client = KvtierClient(server.url)
+        client_cache = TokenCache(client)
         toks = tokens(0, 32)
-        client.store(NS, toks, fill_for(toks))
+        client_cache.store(NS, toks, fill_for(toks))
         wait_for(lambda: l2(server)["objects"] == 2)
         client.clear()
         client.close()

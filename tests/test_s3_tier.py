@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from kvtier.cache import TokenCache
 from kvtier.config import parse_adapter
 from kvtier.errors import ConfigError
 from kvtier.keys import Namespace
@@ -151,10 +152,12 @@ def test_two_hosts_share_one_bucket(make_tier):
     namespace = Namespace(model="m", layout=LAYOUT)
     tokens = list(range(8))
     host1 = TieredStore(MemoryTier(1 << 20), [make_tier()], chunk_size=4)
-    host1.store(namespace, tokens, lambda span, dest: dest.__setitem__(slice(None), bytes([span.start]) * len(dest)))
+    host1_cache = TokenCache(host1)
+    host1_cache.store(namespace, tokens, lambda span, dest: dest.__setitem__(slice(None), bytes([span.start]) * len(dest)))
     host1.flush()
     host2 = TieredStore(MemoryTier(1 << 20), [make_tier()], chunk_size=4)
-    with host2.retrieve(namespace, tokens) as got:
+    host2_cache = TokenCache(host2)
+    with host2_cache.retrieve(namespace, tokens) as got:
         assert [bytes(c.payload)[:1] for c in got.chunks] == [b"\x00", b"\x04"]
     host1.close()
     host2.close()

@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
@@ -48,45 +49,47 @@ def test_restart_keeps_disk_hits(server):
     assert server.stop() == 0  # SIGTERM: pending disk writes are flushed
     server.start()
     client = KvtierClient(server.url, timeout_s=5)
-    assert client.lookup(NS, tokens(5000, 64)).tiers == ["disk"] * 4
+    assert client_cache.lookup(NS, tokens(5000, 64)).tiers == ["disk"] * 4
     client.close()
     assert engine("retrieve", server, 5000, 64) == {"tokens": 64, "exact": True, "shared_memory": True}
 
 
 def test_killed_server_gives_misses_in_time_then_recovers(server):
     client = KvtierClient(server.url, timeout_s=0.5)
+    client_cache = TokenCache(client)
     toks = tokens(9000, 48)
-    assert client.store(NS, toks, fill_for(toks)) == 3
+    assert client_cache.store(NS, toks, fill_for(toks)) == 3
     server.kill()
     for _ in range(3):
         start = time.monotonic()
-        assert client.lookup(NS, toks).hit_tokens == 0
-        with client.retrieve(NS, toks) as r:
+        assert client_cache.lookup(NS, toks).hit_tokens == 0
+        with client_cache.retrieve(NS, toks) as r:
             assert r.num_tokens == 0
-        assert client.store(NS, toks, fill_for(toks)) == 0
+        assert client_cache.store(NS, toks, fill_for(toks)) == 0
         assert time.monotonic() - start < 3 * 0.5 + 0.3  # each call within its timeout
     assert client.stats.timeouts >= 1 and client.stats.dropped_stores >= 1
     server.start()  # a new server: new arena, empty L1, disk kept nothing (killed before flush?)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not client.ping():
         time.sleep(0.2)
-    assert client.store(NS, toks, fill_for(toks)) == 3  # the new server's L1 is empty
-    with client.retrieve(NS, toks) as r:
+    assert client_cache.store(NS, toks, fill_for(toks)) == 3  # the new server's L1 is empty
+    with client_cache.retrieve(NS, toks) as r:
         assert r.num_tokens == 48 and retrieved_is_exact(r, toks)
     client.close()
 
 
 def test_client_of_a_restarted_server_never_reads_the_old_arena(server):
     client = KvtierClient(server.url, timeout_s=2)
+    client_cache = TokenCache(client)
     toks = tokens(300, 32)
-    client.store(NS, toks, fill_for(toks))
+    client_cache.store(NS, toks, fill_for(toks))
     server.stop()
     server.start()  # quick restart: the client's socket reconnects by itself, its mapping is stale
     other = tokens(700, 32)
     assert engine("store", server, 700, 32)["stored"] == 2
-    with client.retrieve(NS, other) as r:  # refused as stale-arena, then a fresh hello
+    with client_cache.retrieve(NS, other) as r:  # refused as stale-arena, then a fresh hello
         assert r.num_tokens in (0, 32) and retrieved_is_exact(r, other)
-    with client.retrieve(NS, other) as r:
+    with client_cache.retrieve(NS, other) as r:
         assert r.num_tokens == 32 and retrieved_is_exact(r, other)
     client.close()
 
@@ -120,6 +123,7 @@ def test_admin_token_protects_clear(tmp_path):
         assert "s3cret-token" not in proc.get("/metrics")
         assert "s3cret-token" not in proc.log.read_text()
         client = KvtierClient(proc.url)
+        client_cache = TokenCache(client)
         with pytest.raises(Exception, match="unauthorized"):
             client.clear()
         client.close()
@@ -157,7 +161,7 @@ def test_port_in_use_is_a_clear_error(server, tmp_path):
 
 
 def test_arena_of_a_killed_server_is_removed_by_the_next_one(server):
-    from kvtier.server.shm import SHM_DIR
+    from kvtier.wire.shm import SHM_DIR
 
     mine = set(SHM_DIR.glob(f"kvtier-{server.proc.pid}-*"))
     assert len(mine) == 1

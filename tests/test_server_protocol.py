@@ -12,9 +12,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier.config import ServerConfig, convert
-from kvtier.server import protocol as p
+from kvtier.wire import protocol as p
 from kvtier.server.main import KvtierServer
 from kvtier_testing.data_port_junk import dealer, pong_through, send_raw, zmtp1_without_envelope
 from kvtier_testing.kvtier_processes import free_port
@@ -168,9 +169,10 @@ def test_lease_of_a_client_that_died_expires():
     server = start_server(lease_timeout_s=0.5)
     try:
         client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}")
+        client_cache = TokenCache(client)
         toks = tokens(0, 64)
-        client.store(NS, toks, fill_for(toks))
-        retrieval = client.retrieve(NS, toks)  # never closed: as if the client died mid-read
+        client_cache.store(NS, toks, fill_for(toks))
+        retrieval = client_cache.retrieve(NS, toks)  # never closed: as if the client died mid-read
         assert retrieval.num_tokens == 64
         assert server.service.status()["leases_and_reservations"] == 1
         assert server.store.l1.clear() == 4
@@ -188,11 +190,12 @@ def test_reservation_of_a_client_that_died_is_never_visible_and_expires():
     server = start_server(lease_timeout_s=0.5)
     try:
         client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}")
+        client_cache = TokenCache(client)
         client.ping()
-        spans = client._spans(NS, tokens(0, 32), time.monotonic() + 1)
+        spans = client_cache.spans(NS, tokens(0, 32))
         reply, _ = client._call(p.Reserve(keys=[s.key for s in spans], sizes=[4096, 4096], arena=client._arena_id))
         assert reply.states == ["slot", "slot"]
-        assert client.lookup(NS, tokens(0, 32)).hit_tokens == 0  # reserved, not committed: invisible
+        assert client_cache.lookup(NS, tokens(0, 32)).hit_tokens == 0  # reserved, not committed: invisible
         time.sleep(1.0)
         server.service.expire()
         assert server.store.l1.usage().used_bytes == 0
@@ -205,25 +208,27 @@ def test_reservation_of_a_client_that_died_is_never_visible_and_expires():
 
 def test_commit_of_a_badly_written_slot_is_refused(server):
     client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}")
+    client_cache = TokenCache(client)
     toks = tokens(40_000, 16)
     client.ping()  # a slot written with junk instead of a sealed object
-    span = client._spans(NS, toks, time.monotonic() + 1)[0]
+    span = client_cache.spans(NS, toks)[0]
     size = 80 + 16 * NS.layout.bytes_per_token
     reply, _ = client._call(p.Reserve(keys=[span.key], sizes=[size], arena=client._arena_id))
-    from kvtier.server.shm import ARENA_OFFSET
+    from kvtier.wire.shm import ARENA_OFFSET
 
     memoryview(client._arena.memory)[ARENA_OFFSET + reply.offsets[0]: ARENA_OFFSET + reply.offsets[0] + 4] = b"JUNK"
     committed, _ = client._call(p.Commit(slots=reply.slots))
     assert committed.committed == [False]
-    assert client.lookup(NS, toks).hit_tokens == 0
-    assert client.store(NS, toks, fill_for(toks)) == 1  # the slot was given back
-    with client.retrieve(NS, toks) as r:
+    assert client_cache.lookup(NS, toks).hit_tokens == 0
+    assert client_cache.store(NS, toks, fill_for(toks)) == 1  # the slot was given back
+    with client_cache.retrieve(NS, toks) as r:
         assert r.num_tokens == 16 and retrieved_is_exact(r, toks)
     client.close()
 
 
 def test_fill_that_raises_aborts_its_reservations(server):
     client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}")
+    client_cache = TokenCache(client)
     toks = tokens(50_000, 48)
 
     def failing(span, dest):
@@ -233,9 +238,9 @@ def test_fill_that_raises_aborts_its_reservations(server):
 
     used = server.store.l1.usage().used_bytes
     with pytest.raises(RuntimeError):
-        client.store(NS, toks, failing)
+        client_cache.store(NS, toks, failing)
     assert server.store.l1.usage().used_bytes == used
-    assert client.lookup(NS, toks).hit_tokens == 0
+    assert client_cache.lookup(NS, toks).hit_tokens == 0
     client.close()
 
 
@@ -246,11 +251,12 @@ def test_many_threads_share_one_server(server):
 
     def work(base):
         client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+        client_cache = TokenCache(client)
         try:
             for i in range(20):
                 toks = tokens(base + i * 100, 40)
-                assert client.store(NS, toks, fill_for(toks)) == 3, (base, i)  # chunks of 16, 16 and 8
-                with client.retrieve(NS, toks) as r:
+                assert client_cache.store(NS, toks, fill_for(toks)) == 3, (base, i)  # chunks of 16, 16 and 8
+                with client_cache.retrieve(NS, toks) as r:
                     assert r.num_tokens == 40 and retrieved_is_exact(r, toks), (base, i)
         finally:
             client.close()

@@ -15,7 +15,7 @@ import zmq
 
 from kvtier.client import KvtierClient
 from kvtier.server.main import EXIT_STOP_OVERRUN
-from kvtier.server.shm import SHM_DIR
+from kvtier.wire.shm import SHM_DIR
 from kvtier_testing.data_port_junk import dealer, malformed_multipart, pong_through, send_raw
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens

@@ -3,6 +3,7 @@ import threading
 import numpy as np
 import pytest
 
+from kvtier.cache import TokenCache
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
@@ -34,10 +35,11 @@ def make_store(l1_bytes=1 << 20, lower=()):
 
 def test_store_then_lookup_and_retrieve_give_the_same_kv():
     store = make_store()
+    cache = TokenCache(store)
     tokens = np.arange(100, 150)
-    assert store.store(NS, tokens, fill_for(tokens)) == 4  # 3 full chunks and a tail of 2
-    assert store.lookup(NS, tokens).hit_tokens == 50
-    with store.retrieve(NS, tokens) as r:
+    assert cache.store(NS, tokens, fill_for(tokens)) == 4  # 3 full chunks and a tail of 2
+    assert cache.lookup(NS, tokens).hit_tokens == 50
+    with cache.retrieve(NS, tokens) as r:
         got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
         assert r.num_tokens == 50
     np.testing.assert_array_equal(got, kv_of(tokens))
@@ -45,25 +47,28 @@ def test_store_then_lookup_and_retrieve_give_the_same_kv():
 
 def test_lookup_is_the_longest_contiguous_prefix():
     store = make_store()
+    cache = TokenCache(store)
     tokens = np.arange(64)
-    store.store(NS, tokens, fill_for(tokens))
+    cache.store(NS, tokens, fill_for(tokens))
     longer = np.concatenate([tokens[:40], np.arange(1000, 1030)])
-    assert store.lookup(NS, longer).hit_tokens == 32
-    store.l1.delete([store.spans(NS, tokens)[1].key])  # a hole at chunk 1
-    assert store.lookup(NS, tokens).hit_tokens == 16
-    with store.retrieve(NS, tokens) as r:
+    assert cache.lookup(NS, longer).hit_tokens == 32
+    store.l1.delete([cache.spans(NS, tokens)[1].key])  # a hole at chunk 1
+    assert cache.lookup(NS, tokens).hit_tokens == 16
+    with cache.retrieve(NS, tokens) as r:
         assert r.num_tokens == 16
 
 
 def test_other_namespace_never_hits():
     store = make_store()
+    cache = TokenCache(store)
     tokens = np.arange(40)
-    store.store(NS, tokens, fill_for(tokens))
-    assert store.lookup(Namespace(model="m", layout=LAYOUT, tenant_salt=b"b"), tokens).hit_tokens == 0
+    cache.store(NS, tokens, fill_for(tokens))
+    assert cache.lookup(Namespace(model="m", layout=LAYOUT, tenant_salt=b"b"), tokens).hit_tokens == 0
 
 
 def test_store_skips_cached_chunks_and_honours_start():
     store = make_store()
+    cache = TokenCache(store)
     tokens = np.arange(48)
     calls = []
 
@@ -71,17 +76,18 @@ def test_store_skips_cached_chunks_and_honours_start():
         calls.append(span.start)
         fill_for(tokens)(span, dest)
 
-    store.store(NS, tokens[:32], fill)
-    store.store(NS, tokens, fill)
+    cache.store(NS, tokens[:32], fill)
+    cache.store(NS, tokens, fill)
     assert calls == [0, 16, 32]
     calls.clear()
     other = np.arange(500, 548)
-    store.store(NS, other, fill, start=20)  # chunks ending after token 20 only
+    cache.store(NS, other, fill, start=20)  # chunks ending after token 20 only
     assert calls == [16, 32]
 
 
 def test_failing_fill_leaves_nothing_visible():
     store = make_store()
+    cache = TokenCache(store)
     tokens = np.arange(48)
 
     def fill(span, dest):
@@ -90,34 +96,36 @@ def test_failing_fill_leaves_nothing_visible():
         fill_for(tokens)(span, dest)
 
     with pytest.raises(RuntimeError):
-        store.store(NS, tokens, fill)
-    assert store.lookup(NS, tokens).hit_tokens == 16
-    assert store.l1.usage().objects == 1
+        cache.store(NS, tokens, fill)
+    assert cache.lookup(NS, tokens).hit_tokens == 0
+    assert store.l1.usage().objects == 0 and store.l1.usage().used_bytes == 0
 
 
 def test_store_stops_at_the_first_chunk_without_room():
     per_chunk = 4096  # one page per 16-token chunk (1 KiB + header)
     store = TieredStore(MemoryTier(2 * per_chunk, eviction_trigger_watermark=1.0, eviction_ratio=0), chunk_size=CHUNK)
+    cache = TokenCache(store)
     tokens = np.arange(64)
-    with store.retrieve(NS, tokens):  # nothing cached yet: nothing pinned
+    with cache.retrieve(NS, tokens):  # nothing cached yet: nothing pinned
         pass
-    store.store(NS, tokens[:32], fill_for(tokens))
-    with store.retrieve(NS, tokens):  # the two chunks are pinned: no room for more
-        assert store.store(NS, tokens, fill_for(tokens)) == 0
-    assert store.stats.failed_chunks == 1
+    cache.store(NS, tokens[:32], fill_for(tokens))
+    with cache.retrieve(NS, tokens):  # the two chunks are pinned: no room for more
+        assert cache.store(NS, tokens, fill_for(tokens)) == 0
+    assert cache.stats.failed_chunks == 1
 
 
 def test_retrieve_cap_and_concurrent_readers():
     store = make_store()
+    cache = TokenCache(store)
     tokens = np.arange(80)
-    store.store(NS, tokens, fill_for(tokens))
-    with store.retrieve(NS, tokens, max_tokens=40) as r:
+    cache.store(NS, tokens, fill_for(tokens))
+    with cache.retrieve(NS, tokens, end=40) as r:
         assert r.num_tokens == 32
     failures = []
 
     def reader():
         for _ in range(50):
-            with store.retrieve(NS, tokens) as r:
+            with cache.retrieve(NS, tokens) as r:
                 got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
                 if not np.array_equal(got, kv_of(tokens)):
                     failures.append(1)
@@ -138,43 +146,47 @@ from kvtier.tiers.disk import DiskTier  # noqa: E402
 
 def test_writes_reach_disk_and_disk_hits_are_promoted(tmp_path):
     store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
+    cache = TokenCache(store)
     tokens = np.arange(40)
-    store.store(NS, tokens, fill_for(tokens))
+    cache.store(NS, tokens, fill_for(tokens))
     store.flush()
     assert store.lower[0].usage().objects == 3
     store.l1.clear()
-    assert store.lookup(NS, tokens).tiers == ["disk", "disk", "disk"]
-    with store.retrieve(NS, tokens) as r:
+    assert cache.lookup(NS, tokens).tiers == ["disk", "disk", "disk"]
+    with cache.retrieve(NS, tokens) as r:
         got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
     np.testing.assert_array_equal(got, kv_of(tokens))
     assert store.stats.promotions == 3
-    assert store.lookup(NS, tokens).tiers == ["memory", "memory", "memory"]
+    assert cache.lookup(NS, tokens).tiers == ["memory", "memory", "memory"]
     store.close()
 
 
 def test_restart_keeps_disk_hits(tmp_path):
     tokens = np.arange(40)
     first = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
-    first.store(NS, tokens, fill_for(tokens))
+    first_cache = TokenCache(first)
+    first_cache.store(NS, tokens, fill_for(tokens))
     first.close()
     second = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
-    assert second.lookup(NS, tokens).hit_tokens == 40
-    with second.retrieve(NS, tokens) as r:
+    second_cache = TokenCache(second)
+    assert second_cache.lookup(NS, tokens).hit_tokens == 40
+    with second_cache.retrieve(NS, tokens) as r:
         assert r.num_tokens == 40
     second.close()
 
 
 def test_corrupt_disk_object_is_a_miss_not_wrong_kv(tmp_path):
     store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
+    cache = TokenCache(store)
     tokens = np.arange(40)
-    store.store(NS, tokens, fill_for(tokens))
+    cache.store(NS, tokens, fill_for(tokens))
     store.flush()
     store.l1.clear()
-    victim = tmp_path / "l2" / f"{store.spans(NS, tokens)[1].key.hex()}.kv"
+    victim = tmp_path / "l2" / f"{cache.spans(NS, tokens)[1].key.hex()}.kv"
     data = bytearray(victim.read_bytes())
     data[-5] ^= 0xFF
     victim.write_bytes(data)
-    with store.retrieve(NS, tokens) as r:
+    with cache.retrieve(NS, tokens) as r:
         assert r.num_tokens == 16
         np.testing.assert_array_equal(np.frombuffer(r.chunks[0].payload, dtype=np.float32), kv_of(tokens[:16]))
     assert store.lower[0].stats.corrupt == 1 and not victim.exists()
@@ -223,8 +235,9 @@ class _BrokenTier(_SlowTier):
 def test_full_write_queue_drops_and_counts_instead_of_blocking(tmp_path):
     slow = _SlowTier()
     store = TieredStore(MemoryTier(1 << 20), [slow], chunk_size=CHUNK, write_queue_bytes=3 * 1200)
+    cache = TokenCache(store)
     tokens = np.arange(160)  # 10 chunks of 1104 bytes: 3 fit the queue
-    assert store.store(NS, tokens, fill_for(tokens)) == 10  # returns at once although the tier is stuck
+    assert cache.store(NS, tokens, fill_for(tokens)) == 10  # returns at once although the tier is stuck
     assert (store.stats.queued_writes, store.stats.dropped_writes) == (3, 7)
     slow.gate.set()
     store.flush()
@@ -234,13 +247,14 @@ def test_full_write_queue_drops_and_counts_instead_of_blocking(tmp_path):
 
 def test_broken_lower_tier_is_a_miss_and_a_failed_write():
     store = TieredStore(MemoryTier(1 << 20), [_BrokenTier()], chunk_size=CHUNK)
+    cache = TokenCache(store)
     tokens = np.arange(40)
-    assert store.store(NS, tokens, fill_for(tokens)) == 3
+    assert cache.store(NS, tokens, fill_for(tokens)) == 3
     store.flush()
     assert store.stats.failed_writes == 3
     store.l1.clear()
-    assert store.lookup(NS, tokens).hit_tokens == 0
-    with store.retrieve(NS, tokens) as r:
+    assert cache.lookup(NS, tokens).hit_tokens == 0
+    with cache.retrieve(NS, tokens) as r:
         assert r.num_tokens == 0
     store.close()
 

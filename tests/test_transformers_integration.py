@@ -95,13 +95,13 @@ def test_partial_hit_reuses_whole_shared_chunks(tiny_hf_model, cached, store, te
     prompt_b = doc[:600] + tail_b[:100]  # 700 tokens, 600 shared with prompt_a
     cached.prefill(prompt_a)
 
-    assert store.lookup(cached.namespace, prompt_b).hit_tokens == 512
+    assert cached.cache.lookup(cached.namespace, prompt_b).hit_tokens == 512
     result = cached.prefill(prompt_b, all_logits=True)
     assert (result.reused_tokens, result.computed_tokens) == (512, 188)
     assert matches_full_recompute(tiny_hf_model, prompt_b, result)
     # prompt_b's own chunks are stored now: its last, partial chunk only
     assert result.stored_chunks == 1
-    assert store.lookup(cached.namespace, prompt_b).hit_tokens == 700
+    assert cached.cache.lookup(cached.namespace, prompt_b).hit_tokens == 700
 
     warm = cached.generate(prompt_b, max_new_tokens=8)
     assert warm.tokens == reference_greedy(tiny_hf_model, prompt_b, 8)
@@ -125,7 +125,7 @@ def test_generated_tokens_can_be_stored_for_the_next_turn(tiny_hf_model, cached,
     prompt = doc[:510]
     turn = cached.generate(prompt, max_new_tokens=20, stop_at_eos=False, store_generated=True)
     history = prompt + turn.tokens[:-1]
-    assert store.lookup(cached.namespace, history).hit_tokens == len(history)
+    assert cached.cache.lookup(cached.namespace, history).hit_tokens == len(history)
     follow_up = history + turn.tokens[-1:] + tail_a[:40]
     result = cached.prefill(follow_up, all_logits=True)
     assert result.reused_tokens == 512  # two full chunks; the partial tail [512, 529) differs
@@ -161,11 +161,11 @@ def test_other_namespaces_never_hit(tiny_hf_model, cached, store, texts):
     doc, tail_a, _ = texts
     prompt = doc[:600] + tail_a[:100]
     cached.prefill(prompt)
-    assert store.lookup(cached.namespace, prompt).hit_tokens == 700
+    assert cached.cache.lookup(cached.namespace, prompt).hit_tokens == 700
 
     # another model name, another revision
     other_name = PrefixCachedModel(tiny_hf_model, store, model_name="tiny-llama-2")
-    assert store.lookup(other_name.namespace, prompt).hit_tokens == 0
+    assert cached.cache.lookup(other_name.namespace, prompt).hit_tokens == 0
     assert other_name.prefill(prompt, store=False).reused_tokens == 0
     other_revision = PrefixCachedModel(tiny_hf_model, store, model_name="tiny-llama", revision="v2")
     assert other_revision.prefill(prompt, store=False).reused_tokens == 0
@@ -180,7 +180,7 @@ def test_other_namespaces_never_hit(tiny_hf_model, cached, store, texts):
     layout = layout_for_model(tiny_hf_model)
     foreign = Namespace("tiny-llama", KVLayout(4, 2, 64, "float32", arrangement="vllm-blocks"))
     assert foreign.layout != layout
-    assert store.lookup(foreign, prompt).hit_tokens == 0
+    assert cached.cache.lookup(foreign, prompt).hit_tokens == 0
 
     # a namespace whose layout is not the model's is refused up front
     with pytest.raises(ConfigError):

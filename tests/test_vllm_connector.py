@@ -62,6 +62,7 @@ PROMPTS = {
     "e2": _tokens(7, 1280) + Q[0],
     "f1": DOC_F + Q[0],
     "f2": DOC_F + Q[1],
+    "g1": _tokens(9, 1664) + Q[3],  # 6 chunks and a tail of 152 tokens
 }
 
 
@@ -133,12 +134,12 @@ def test_save_spans_store_the_prompt_tail_and_the_whole_blocks_before_it(length,
     import numpy as np
 
     from kvtier.integrations.vllm.common import save_spans
-    from kvtier.keys import Namespace, chunk_spans
+    from kvtier.keys import Namespace, chunk_spans, prefix_keys
     from kvtier.layout import KVLayout
 
     ns = Namespace("m", KVLayout(2, 2, 32, "float32", block_size=BLOCK))
     tokens = np.asarray(_tokens(9, length), dtype=np.uint32)
-    spans = save_spans(ns, tokens, CHUNK, BLOCK)
+    spans = save_spans(prefix_keys(ns, tokens, CHUNK, BLOCK), length, BLOCK)
     assert [(s.start, s.end) for s in spans] == expected
     # every key is the one a lookup of that prefix walks to
     assert all(s.key == chunk_spans(ns, tokens[: s.end], CHUNK)[-1].key for s in spans)
@@ -320,6 +321,32 @@ def test_cold_and_warm_outputs_match_vllm_and_warm_prompt_is_loaded(engines, ref
     assert warm["num_cached_tokens"] == len(DOC_A)
     stats = one.stats()
     assert stats["worker"]["loaded_tokens"] >= len(DOC_A) and stats["worker"]["failed_loads"] == 0
+
+
+def _round_trips(server) -> dict[str, int]:
+    return dict(server.get("/status")["traffic"]["requests"])
+
+
+@pytest.mark.vllm
+def test_a_warm_request_costs_three_round_trips_and_hashes_each_chunk_once(engines, reference, server):
+    """Counted by the server's own per-request counters and the engine process's hash counter:
+    a warm request asks the server once to look up (partial chunks included), once to retrieve,
+    once to release; its scheduler hashes each chunk of the prompt once, and its worker never."""
+    one = engines["one"]
+    assert_same(_ask(one, "g1"), reference["g1"], "cold g1")
+    one.drain()
+    calls_before, hashes_before = _round_trips(server), one.stats()["chunk_hashes"]
+    warm = _ask(one, "g1")
+    assert warm["num_cached_tokens"] == len(PROMPTS["g1"]) - 1
+    assert_same(warm, reference["g1"], "warm g1")
+    deadline = time.monotonic() + 10
+    while _round_trips(server).get("release", 0) == calls_before.get("release", 0) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the release goes off the engine's path, in a thread
+    calls = {op: n - calls_before.get(op, 0) for op, n in _round_trips(server).items()}
+    calls = {op: n for op, n in calls.items() if n}
+    assert calls == {"lookup": 1, "retrieve": 1, "release": 1}  # TP 1: one rank
+    chunks = -(-len(PROMPTS["g1"]) // CHUNK)  # 6 whole chunks and the tail
+    assert one.stats()["chunk_hashes"] - hashes_before == chunks
 
 
 @pytest.mark.vllm

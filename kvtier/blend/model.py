@@ -33,10 +33,11 @@ import torch
 
 from kvtier.blend.forward import BlendForward
 from kvtier.blend.rope import rotary_for_model
-from kvtier.blend.segments import SegmentStore, TokenStore, stack_cache
+from kvtier.blend.segments import SegmentStore, stack_cache
 from kvtier.errors import ConfigError
 from kvtier.integrations.transformers import _as_token_list, _new_cache, layout_for_model, namespace_for_model
 from kvtier.keys import Namespace
+from kvtier.keystore import KeyStore
 
 __all__ = ["BlendConfig", "BlendResult", "BlendedModel"]
 
@@ -94,7 +95,7 @@ class BlendedModel:
     def __init__(
         self,
         model: Any,
-        store: TokenStore,
+        store: KeyStore,
         model_name: str | None = None,
         revision: str | None = None,
         namespace: Namespace | None = None,

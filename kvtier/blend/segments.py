@@ -11,9 +11,8 @@ the segment appears, once its keys are moved to the new positions. For that, seg
   confused with the prefix keys of the same tokens (whose KV was made at other positions, after
   other tokens).
 
-Everything goes through the token-level calls that ``TieredStore`` and ``KvtierClient`` share
-(``lookup``, ``retrieve``, ``store``), so segment objects live in the same tiers, and the same
-server, as prefix objects; a server lookup under the segment namespace answers which segments,
+Everything goes through the one ``TokenCache`` (over a ``TieredStore`` or a ``KvtierClient``),
+so segment objects live in the same tiers, and the same server, as prefix objects; a server lookup under the segment namespace answers which segments,
 and how many of their tokens, are cached, and in which tier.
 
 Payload arrangement as for prefixes (``hf-layer-kv-hnd``): per layer, K [kv_heads, tokens,
@@ -24,14 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from kvtier.cache import LookupResult, TokenCache
 from kvtier.keys import ChunkSpan, Namespace
+from kvtier.keystore import KeyStore
 from kvtier.layout import DTYPE_SIZES
-from kvtier.store import FillFn, LookupResult, Retrieval
 
 SEGMENT_GROUP = "segment-pos0"
 
@@ -42,17 +42,6 @@ __all__ = [
     "segment_namespace",
     "split_segments",
 ]
-
-
-class TokenStore(Protocol):
-    """What ``TieredStore`` and ``KvtierClient`` both offer."""
-
-    def lookup(self, namespace: Namespace, tokens: Sequence[int]) -> LookupResult: ...
-
-    def retrieve(self, namespace: Namespace, tokens: Sequence[int], max_tokens: int | None = None) -> Retrieval: ...
-
-    def store(self, namespace: Namespace, tokens: Sequence[int], fill: FillFn, start: int = 0,
-              end: int | None = None) -> int: ...
 
 
 def segment_namespace(namespace: Namespace) -> Namespace:
@@ -96,10 +85,10 @@ class SegmentKV:
 
 
 class SegmentStore:
-    """Segment KV in a ``TieredStore`` or through a ``KvtierClient``, as tensors."""
+    """Segment KV in a key store (a ``TieredStore`` or a ``KvtierClient``), as tensors."""
 
-    def __init__(self, store: TokenStore, namespace: Namespace, dtype: torch.dtype) -> None:
-        self.store = store
+    def __init__(self, store: KeyStore, namespace: Namespace, dtype: torch.dtype) -> None:
+        self.cache = TokenCache(store)
         self.namespace = segment_namespace(namespace)
         self.layout = self.namespace.layout
         self.dtype = dtype
@@ -107,13 +96,13 @@ class SegmentStore:
 
     def lookup(self, segments: Sequence[Sequence[int]]) -> list[LookupResult]:
         """Per segment: how many of its leading tokens are cached, and the tier of each chunk."""
-        return [self.store.lookup(self.namespace, list(segment)) for segment in segments]
+        return [self.cache.lookup(self.namespace, list(segment)) for segment in segments]
 
     def load(self, segment: Sequence[int], device: torch.device | str = "cpu") -> SegmentKV | None:
         """The cached KV of the segment's longest cached leading part, or None."""
         L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_size
         row = D * self._itemsize
-        with self.store.retrieve(self.namespace, list(segment)) as retrieval:
+        with self.cache.retrieve(self.namespace, list(segment)) as retrieval:
             n = retrieval.num_tokens
             if n <= 0:
                 return None
@@ -132,7 +121,7 @@ class SegmentStore:
         dest = out.view(torch.uint8).numpy()  # [L, 2, H, tokens, head_dim * itemsize]
         L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_size
         row = D * self._itemsize
-        with self.store.retrieve(self.namespace, list(segment)) as retrieval:
+        with self.cache.retrieve(self.namespace, list(segment)) as retrieval:
             for chunk in retrieval.chunks:
                 span = chunk.span
                 src = np.frombuffer(chunk.payload, dtype=np.uint8).reshape(L, 2, H, span.num_tokens, row)
@@ -152,7 +141,7 @@ class SegmentStore:
             out = torch.frombuffer(dest, dtype=torch.uint8).view(self.dtype).view(L, 2, H, span.num_tokens, D)
             out.copy_(kv[:, :, :, span.start : span.end])
 
-        return self.store.store(self.namespace, list(segment), fill, start=start)
+        return self.cache.store(self.namespace, list(segment), fill, start=start)
 
 
 def stack_cache(cache: Any, num_layers: int) -> torch.Tensor:

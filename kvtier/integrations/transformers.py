@@ -4,7 +4,8 @@
                                                                            │
                                        new chunks ◀──fill from the cache tensors──┘
 
-``PrefixCachedModel`` wraps a model and a ``TieredStore``. ``prefill`` loads the longest cached
+``PrefixCachedModel`` wraps a model and a key store (a ``TieredStore``, or a ``KvtierClient`` of
+``kvtier server``), through the one ``TokenCache``. ``prefill`` loads the longest cached
 prefix of the prompt (at most ``len(prompt) - 1`` tokens, so that the last token is always
 computed and its logits exist), runs the model on the remaining tokens with the right positions,
 and stores the prompt's chunks that were not cached yet. ``generate`` is greedy decoding on top.
@@ -27,10 +28,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from kvtier.cache import TokenCache
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkSpan, Namespace
+from kvtier.keystore import KeyStore
 from kvtier.layout import DTYPE_SIZES, KVLayout
-from kvtier.store import TieredStore
 
 ARRANGEMENT = "hf-layer-kv-hnd"
 
@@ -150,7 +152,7 @@ class GenerationResult:
 
 
 class PrefixCachedModel:
-    """A transformers causal LM whose prompts reuse KV cached in a ``TieredStore``.
+    """A transformers causal LM whose prompts reuse KV cached in a key store.
 
     Batch size 1. ``namespace`` defaults to one derived from the model (name, revision, layout);
     two models share cached KV only if their namespaces are equal.
@@ -159,14 +161,14 @@ class PrefixCachedModel:
     def __init__(
         self,
         model: Any,
-        store: TieredStore,
+        store: KeyStore,
         model_name: str | None = None,
         revision: str | None = None,
         namespace: Namespace | None = None,
     ) -> None:
         _check_supported(model)
         self.model = model
-        self.store = store
+        self.cache = TokenCache(store)
         self.layout = layout_for_model(model)
         self.namespace = namespace or namespace_for_model(model, model_name, revision)
         if self.namespace.layout != self.layout:
@@ -227,7 +229,7 @@ class PrefixCachedModel:
         layout = self.layout
         L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_size
         row = D * self._itemsize  # bytes of one head's vector
-        with self.store.retrieve(self.namespace, tokens) as retrieval:
+        with self.cache.retrieve(self.namespace, tokens) as retrieval:
             reused = min(retrieval.num_tokens, len(tokens) - 1)
             if reused <= 0:
                 return 0
@@ -263,7 +265,7 @@ class PrefixCachedModel:
                 out[layer, 0].copy_(keys[0, :, span.start : span.end])
                 out[layer, 1].copy_(values[0, :, span.start : span.end])
 
-        return self.store.store(self.namespace, tokens, fill, start=start)
+        return self.cache.store(self.namespace, tokens, fill, start=start)
 
     # -- generation --------------------------------------------------------------------------
 

@@ -24,8 +24,8 @@ from kvtier.config import ServerConfig
 from kvtier.metrics import ServerMetrics
 from kvtier.server.http import HttpServer, create_app
 from kvtier.server.service import CacheService
-from kvtier.server.shm import SharedArena
 from kvtier.build import build_store
+from kvtier.wire.shm import SharedArena
 
 log = logging.getLogger(__name__)
 

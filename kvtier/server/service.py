@@ -1,4 +1,5 @@
-"""What the server does with each request: the handler table for the messages of protocol.py.
+"""What the server does with each request: the handler table for the messages of
+``kvtier.wire.protocol``, over the store's key-store protocol (``keystore.KeyStore``) only.
 
 Thread-safe: several worker threads call ``handle`` at once. Leases and reservations handed to
 clients are kept here with a deadline; ``expire`` releases the ones whose client went quiet.
@@ -19,10 +20,11 @@ import msgspec
 from kvtier import __version__
 from kvtier.errors import ObjectError
 from kvtier.objects import check_object
-from kvtier.server import protocol as p
-from kvtier.server.shm import ARENA_OFFSET, SharedArena
+from kvtier.keys import ChunkSpan
+from kvtier.keystore import Lease, Reservation
 from kvtier.store import TieredStore
-from kvtier.tiers.memory import Lease, Reservation
+from kvtier.wire import protocol as p
+from kvtier.wire.shm import ARENA_OFFSET, SharedArena
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class CacheService:
             p.Release: self._release,
             p.Clear: self._clear,
             p.Status: self._status,
+            p.TakeEvents: self._take_events,
         }
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -87,6 +90,7 @@ class CacheService:
         if request.v != p.PROTOCOL_VERSION:
             return self._error("version", f"protocol version {request.v}; this server speaks {p.PROTOCOL_VERSION}")
         op = type(request).__struct_config__.tag
+        self.metrics.requests.labels(op).inc()
         try:
             response = self._handlers[type(request)](request, frames[1:])
         except BadRequest as exc:
@@ -128,7 +132,7 @@ class CacheService:
                 self.store.release(held.leases)
                 self.metrics.expired.labels("lease").inc()
             else:
-                self.store.abort(held.reservation)
+                self.store.abort([held.reservation])
                 self.metrics.expired.labels("reservation").inc()
 
     def _deadline(self) -> float:
@@ -153,15 +157,34 @@ class CacheService:
         return self._reply(p.Pong())
 
     def _lookup(self, request: p.Lookup, frames: list) -> Response:
-        if request.tokens and len(request.tokens) != len(request.keys):
-            raise BadRequest("lookup: tokens and keys differ in length")
-        tiers = self.store.locate(request.keys)
+        keys, ends = request.keys, request.ends or [0] * len(request.keys)
+        partial_ends = request.partial_ends or [0] * len(request.partials)
+        if len(ends) != len(keys) or not len(request.partials) == len(request.partial_at) == len(partial_ends):
+            raise BadRequest("lookup: keys and ends, or partials, partial_at and partial_ends, differ in length")
+        if any(b < a for a, b in zip([0, *ends], ends)):
+            raise BadRequest("lookup: chunk ends must not decrease")
+        spans = [ChunkSpan(key, start, end) for key, start, end in zip(keys, [0, *ends], ends)]
+        groups: list[list[int]] = [[] for _ in range(len(keys) + 1)]
+        for j, at in enumerate(request.partial_at):
+            if at > len(keys):
+                raise BadRequest(f"lookup: partial_at {at} is past the {len(keys)} keys")
+            groups[at].append(j)
+        starts = [0, *ends]
+        partials = [
+            [ChunkSpan(request.partials[j], starts[i], max(starts[i], partial_ends[j])) for j in group]
+            for i, group in enumerate(groups)
+        ]
+        located = self.store.locate(spans, partials)
+        hit = spans[: len(located.tiers)]
+        partial = groups[len(hit)][located.partial] if located.partial >= 0 else -1
         self.metrics.lookups.inc()
-        if request.tokens:
-            self.metrics.requested_tokens.inc(sum(request.tokens))
-            for tier, tokens in zip(tiers, request.tokens):
-                self.metrics.hit_tokens.labels(tier).inc(tokens)
-        return self._reply(p.LookupReply(tiers=tiers))
+        if request.ends:
+            self.metrics.requested_tokens.inc(ends[-1] if ends else 0)
+            for tier, span in zip(located.tiers, hit):
+                self.metrics.hit_tokens.labels(tier).inc(span.num_tokens)
+            if partial >= 0:
+                self.metrics.hit_tokens.labels(located.partial_tier).inc(partials[len(hit)][located.partial].num_tokens)
+        return self._reply(p.LookupReply(tiers=located.tiers, partial=partial, partial_tier=located.partial_tier))
 
     def _stale(self, arena: bytes) -> bool:
         return arena != self.arena.nonce[: p.ARENA_ID_SIZE]
@@ -173,20 +196,20 @@ class CacheService:
             return self._error("stale-arena", "reserve names another arena; say hello again")
         if len(request.sizes) != len(request.keys):
             raise BadRequest("reserve: keys and sizes differ in length")
+        reservations = self.store.reserve(list(zip(request.keys, request.sizes)))
         states, slots, offsets = [], [], []
-        full = False
-        for key, size in zip(request.keys, request.sizes):
-            reservation = None if full else self.store.reserve(key, size)
-            if reservation is not None:
+        for reservation in reservations:
+            if reservation is None:
+                states.append("cached")
+                slots.append(0)
+                offsets.append(-1)
+            else:
                 states.append("slot")
                 slots.append(self._hold(_Held(self._deadline(), reservation=reservation)))
                 offsets.append(reservation.offset)
-                continue
-            full = full or not self.store.l1.contains([key])[0]
-            states.append("full" if full else "cached")
-            slots.append(0)
-            offsets.append(-1)
-        return self._reply(p.ReserveReply(states=states, slots=slots, offsets=offsets))
+        full = len(request.keys) - len(reservations)
+        return self._reply(p.ReserveReply(states=states + ["full"] * full, slots=slots + [0] * full,
+                                          offsets=offsets + [-1] * full))
 
     def _commit(self, request: p.Commit, frames: list) -> Response:
         committed = []
@@ -202,56 +225,55 @@ class CacheService:
                     raise ObjectError("object size differs from the reserved size")
             except ObjectError as exc:
                 log.warning("refusing a committed object: %s", exc)
-                self.store.abort(reservation)
+                self.store.abort([reservation])
                 committed.append(False)
                 continue
-            self.store.commit(reservation)
+            committed.extend(self.store.commit([reservation]))
             self.metrics.stored_tokens.inc(header.num_tokens)
             self.metrics.store_bytes.observe(len(reservation.view))
-            committed.append(True)
         return self._reply(p.CommitReply(committed=committed))
 
     def _abort(self, request: p.Abort, frames: list) -> Response:
         for ident in request.slots:
             held = self._take(ident)
             if held is not None and held.reservation is not None:
-                self.store.abort(held.reservation)
+                self.store.abort([held.reservation])
         return self._reply(p.AbortReply())
 
     def _put(self, request: p.Put, frames: list) -> Response:
         if len(frames) != len(request.keys):
             raise BadRequest(f"put: {len(request.keys)} keys but {len(frames)} object frames")
-        stored = []
+        objects = []
         for key, frame in zip(request.keys, frames):
             data = memoryview(frame).cast("B")
             try:  # bytes from the network: check everything
                 header, _ = check_object(data, key)
             except ObjectError as exc:
                 raise BadRequest(f"put: object for key {key.hex()[:16]} refused: {exc}") from None
-            data = data[: header.object_size]
-            reservation = self.store.reserve(key, len(data))
-            if reservation is None:
-                stored.append(self.store.l1.contains([key])[0])
-                continue
-            reservation.view[:] = data
-            self.store.commit(reservation)
-            self.metrics.stored_tokens.inc(header.num_tokens)
-            self.metrics.store_bytes.observe(len(data))
-            stored.append(True)
+            objects.append((header, data[: header.object_size]))
+        reservations = self.store.reserve([(key, len(data)) for key, (_, data) in zip(request.keys, objects)])
+        filled = []
+        for reservation, (header, data) in zip(reservations, objects):
+            if reservation is not None:
+                reservation.view[:] = data
+                filled.append(reservation)
+                self.metrics.stored_tokens.inc(header.num_tokens)
+                self.metrics.store_bytes.observe(len(data))
+        self.store.commit(filled)
+        stored = [True] * len(reservations) + [False] * (len(objects) - len(reservations))
         return self._reply(p.PutReply(stored=stored))
 
     def _retrieve(self, request: p.Retrieve, frames: list) -> Response:
         if not request.inline and self.arena.path is not None and self._stale(request.arena):
             return self._error("stale-arena", "retrieve names another arena; say hello again")
-        leases = self.store.acquire(request.keys)
-        self.metrics.retrieve_bytes.observe(sum(len(lease.view) for lease in leases))
         inline = request.inline or self.arena.path is None
+        # Objects that cross a socket carry their checksum; with an arena, only those that came
+        # back unpinned (copies, from a lower tier, already checked) do.
+        leases = self.store.acquire(request.keys, checksum=inline)
+        self.metrics.retrieve_bytes.observe(sum(len(lease.view) for lease in leases))
         offsets = [-1 if inline or not lease.pinned else lease.offset for lease in leases]
         sizes = [len(lease.view) for lease in leases]
-        out = [lease for lease, offset in zip(leases, offsets) if offset < 0]
-        for lease in out:  # bytes that cross a socket carry their checksum
-            self.store.l1.ensure_sealed(lease)
-        out = [lease.view for lease in out]
+        out = [lease.view for lease, offset in zip(leases, offsets) if offset < 0]
         if inline:
             reply = p.RetrieveReply(lease=0, offsets=offsets, sizes=sizes)
             return [p.encode(reply), *out], lambda: self.store.release(leases)
@@ -273,6 +295,9 @@ class CacheService:
 
     def _status(self, request: p.Status, frames: list) -> Response:
         return self._reply(p.StatusReply(status=self.status()))
+
+    def _take_events(self, request: p.TakeEvents, frames: list) -> Response:
+        return self._reply(p.EventsReply(events=self.store.take_events()))
 
     # -- shared with the HTTP control plane --------------------------------------------------
 

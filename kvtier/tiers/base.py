@@ -32,6 +32,8 @@ from kvtier.objects import ObjectHeader, check_object
 
 logger = logging.getLogger(__name__)
 
+from kvtier.events import CacheEvent, EventLog
+
 
 @dataclass
 class TierUsage:

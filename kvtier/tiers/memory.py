@@ -16,6 +16,7 @@ import msgspec
 
 from kvtier.errors import ConfigError
 from kvtier.events import Medium
+from kvtier.keystore import Lease, Reservation
 from kvtier.objects import ensure_sealed
 from kvtier.schema import GB, EvictionPolicyName, Fraction, NonNegativeFraction, PositiveGB
 from kvtier.tiers.arena import Allocator, align_up, allocate_buffer
@@ -54,26 +55,6 @@ class _Slot:
     @property
     def visible(self) -> bool:
         return self.committed and not self.doomed
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """A writable slot for one object; invisible to readers until committed."""
-
-    key: bytes
-    view: memoryview
-    offset: int  # where the slot starts in the arena
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A read-only view of one committed object, pinned in the arena until released. A lease
-    with ``pinned=False`` holds a private copy instead (nothing to release)."""
-
-    key: bytes
-    view: memoryview
-    offset: int = -1  # where the object starts in the arena; -1 for a private copy
-    pinned: bool = True
 
 
 class MemoryTier(Tier):

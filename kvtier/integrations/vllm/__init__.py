@@ -7,9 +7,9 @@
 
 Modules by the process and job they serve: ``config`` (the ``kvtier.*`` keys), ``common``
 (layout, namespaces and the metadata both sides share), ``scheduler`` (engine-core process:
-lookups, load and save plans), ``worker`` and ``blocks`` (worker processes: copies between vLLM's
-KV pages and kvtier chunks), ``backend`` (embedded store or server client), ``connector`` (the
-class vLLM instantiates). See docs/vllm.md.
+lookups, load and save plans), ``worker``, ``saver`` and ``blocks`` (worker processes: copies
+between vLLM's KV pages and kvtier chunks), ``keystores`` (the token cache over an embedded store
+or a server client), ``connector`` (the class vLLM instantiates). See docs/vllm.md.
 """
 
 __all__ = ["KvtierConnector"]

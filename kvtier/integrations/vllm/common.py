@@ -26,15 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkSpan, Namespace, canonical_tokens, chain_key, chunk_spans
+from kvtier.keys import ChunkSpan, Namespace, PrefixKeys
 from kvtier.layout import DTYPE_SIZES, KVLayout
 
 if TYPE_CHECKING:
@@ -173,30 +171,34 @@ def pages(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def save_spans(ns: Namespace, tokens: np.ndarray, chunk: int, block_size: int) -> list[ChunkSpan]:
-    """The objects a save of ``tokens`` stores, in order: its chunks, and where it ends inside a
-    block, the partial chunk of its whole blocks before the tail chunk (both start at the last
-    chunk boundary)."""
-    spans = chunk_spans(ns, tokens, chunk)
-    whole = len(tokens) // block_size * block_size
-    if spans and spans[-1].start < whole < len(tokens):
-        start = spans[-1].start
-        previous = spans[-2].key if len(spans) > 1 else ns.root
-        spans.insert(-1, ChunkSpan(chain_key(previous, canonical_tokens(tokens[start:whole])), start, whole))
+def save_spans(keys: PrefixKeys, end: int, block_size: int) -> list[ChunkSpan]:
+    """The objects a save of the first ``end`` tokens stores (``end`` is a chunk boundary or the
+    prompt's end), in order: its chunks, and where it ends inside a block, the partial chunk of
+    its whole blocks before the tail chunk (both start at the last chunk boundary)."""
+    count = sum(1 for span in keys.spans if span.end <= end)
+    spans = keys.spans[:count]
+    whole = end // block_size * block_size
+    if spans and spans[-1].start < whole < end:
+        partial = next(p for p in keys.partials[count - 1] if p.end == whole)
+        spans = [*spans[:-1], partial, spans[-1]]
     return spans
 
 
 # -- scheduler -> worker, every step --------------------------------------------------------------
+# Jobs carry keys, token ranges and block ids: the scheduler hashes each chunk once per request,
+# and no worker hashes. ``spans[r]`` are the chunks of TP rank r (each rank's keys are bound to its
+# own layout).
 
 
 @dataclass
 class LoadJob:
     """Copy the cached KV of tokens [start, end) into ``block_ids`` (one per block of the range)
-    before the forward pass. ``tokens`` is the cached prefix the range lies in (the chunks to read)."""
+    before the forward pass, from the chunks ``spans[rank]`` (consecutive, the first starting at
+    or before ``start``, the last ending at or after ``end``)."""
 
     req_id: ReqId
     scope: RequestScope
-    tokens: np.ndarray  # uint32
+    spans: list[list[ChunkSpan]]
     start: int
     end: int
     block_ids: list[int]
@@ -204,13 +206,12 @@ class LoadJob:
 
 @dataclass
 class SaveJob:
-    """After the forward pass, store the chunks of ``tokens`` that end after ``start`` (all of
-    ``tokens`` is computed by then), whose block i is vLLM's block ``block_ids[i]``."""
+    """After the forward pass, store the chunks ``spans[rank]`` (all computed by then), whose
+    block i is vLLM's block ``block_ids[i]``."""
 
     req_id: ReqId
     scope: RequestScope
-    tokens: np.ndarray  # uint32, ends on a chunk boundary or at the end of the prompt
-    start: int
+    spans: list[list[ChunkSpan]]
     block_ids: list[int]
     job_id: int = 0
 

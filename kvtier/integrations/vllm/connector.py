@@ -70,8 +70,8 @@ class KvtierConnector(KVConnectorBase_V1):
             from kvtier.integrations.vllm.scheduler import KvtierScheduler
 
             self.connector_scheduler = KvtierScheduler(self.config, engine, self._block_ids_of)
-            self.connector_scheduler.backend.connect()
-            chunk = self.connector_scheduler.backend.chunk_size
+            self.connector_scheduler.cache.key_store.ping()
+            chunk = self.connector_scheduler.cache.chunk_size
             if chunk is None:
                 log.warning("kvtier: server %s not reachable yet; every lookup is a miss until it is", self.config.url)
             elif chunk % engine.block_size:

@@ -3,8 +3,9 @@ off the engine's path.
 
     wait_for_save (engine thread)   the pages of the chunks to save are copied into a staging ring
                                     in this process: a memory copy, no network, no waiting
-    saver thread                    store: reserve the chunks' slots in the cache (the server's
-                                    shared memory or the embedded L1), copy from the ring, commit
+    saver thread                    store the chunks the scheduler named (keys, no hashing here):
+                                    reserve their slots in the cache (the server's shared memory
+                                    or the embedded L1), copy from the ring, seal, commit
 
 Copying out at once means vLLM's blocks are never read after the step: a finished or preempted
 request's blocks are free for reuse immediately, and vLLM does not keep stepping to wait for a
@@ -23,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.cache import TokenCache
 from kvtier.keys import ChunkSpan
-from kvtier.integrations.vllm.common import SaveJob, pages, save_spans
+from kvtier.integrations.vllm.common import SaveJob, pages
 
 if TYPE_CHECKING:
-    from kvtier.integrations.vllm.backend import Backend
     from kvtier.integrations.vllm.worker import KvtierWorker
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
@@ -83,9 +84,9 @@ class _Staged:
 
 
 class Saver:
-    def __init__(self, worker: "KvtierWorker", backend: "Backend", capacity: int) -> None:
+    def __init__(self, worker: "KvtierWorker", cache: TokenCache, capacity: int) -> None:
         self.worker = worker
-        self.backend = backend
+        self.cache = cache
         self.ring = StagingRing(capacity)
         self._queue: deque[_Staged] = deque()
         self._cond = threading.Condition()
@@ -100,12 +101,10 @@ class Saver:
         """Copy the job's pages out of vLLM's blocks now and queue the store; or drop it."""
         started = time.perf_counter()
         worker = self.worker
-        chunk = self.backend.chunk_size
         bs = worker.block_size
-        if chunk is None or self._closed or not self.backend.reachable:  # nothing to store into now
+        if self._closed or not self.cache.key_store.reachable:  # nothing to store into now
             return self._drop(job)
-        ns = worker.namespaces.get(worker.tp_rank, job.scope)
-        spans = [s for s in save_spans(ns, job.tokens, chunk, bs) if s.end > job.start]
+        spans = job.spans[worker.tp_rank]
         if not spans:
             return self._finished(job)
         page_bytes = worker.pages.page_bytes * len(worker.pages.layers)
@@ -179,8 +178,8 @@ class Saver:
             dest[:size] = self.ring.view(offset, size)
             written += size
 
-        stored = self.backend.cache.store_spans(ns, staged.spans, fill)
-        if not stored and not self.backend.reachable:  # the server went away: the client dropped it
+        stored = self.cache.store_spans(ns, staged.spans, fill)
+        if not stored and not self.cache.key_store.reachable:  # the server went away: the client dropped it
             worker.stats.dropped_saves += 1
             return
         worker.stats.saves += 1

@@ -8,10 +8,12 @@ It never touches KV; it decides what each step's workers load and save.
     update_connector_output      which save jobs the workers have finished
     request_finished             forget the request
 
-The lookup walks the prompt's chunks (the last one ends with the prompt: the tail a prefill
-instance or an identical earlier prompt stored); where that walk stops, a partial chunk (a
-shorter prefix of whole blocks, stored when an earlier prompt ended there) is tried too. A load
-always leaves the prompt's last token to compute. The lookup answers "not yet" (None), and vLLM
+The prompt's chunks are hashed once per request (``keys.prefix_keys``, per TP rank) and the keys
+kept for its lookup, its loads and its saves. The lookup walks the prompt's chunks (the last one
+ends with the prompt: the tail a prefill instance or an identical earlier prompt stored); where
+that walk stops, a partial chunk (a shorter prefix of whole blocks, stored when an earlier prompt
+ended there) is tried too, in the same round trip (one ``locate`` per TP rank). A load always
+leaves the prompt's last token to compute. The lookup answers "not yet" (None), and vLLM
 asks again next step, in two cases:
 
 - the next chunk of the prompt is being saved right now by an earlier request and most of the
@@ -28,6 +30,7 @@ the prompt tokens it saved, in its own ``kv_transfer_params`` (for the proxy to 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
@@ -37,8 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
-from kvtier.keys import canonical_tokens, chain_key, chunk_spans
-from kvtier.integrations.vllm.backend import Backend
+from kvtier.keys import ChunkSpan, PrefixKeys, prefix_keys
 from kvtier.integrations.vllm.common import (
     EngineLayout,
     KvtierConnectorMetadata,
@@ -53,6 +55,7 @@ from kvtier.integrations.vllm.common import (
     save_spans,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.keystores import close_cache, open_cache
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
 
 if TYPE_CHECKING:
@@ -73,12 +76,13 @@ class _Lookup:
     load: int  # tokens to load past num_computed
     tiers: list[str]  # tier of each hit chunk
     stored: int  # prompt tokens taken as stored already: saves start there
+    spans: list[list[ChunkSpan]] = field(default_factory=list)  # per TP rank, the chunks hit
 
 
 @dataclass
 class _Tracked:
     scope: RequestScope
-    tokens: np.ndarray  # the prompt tokens, uint32
+    tokens: list[int]  # the prompt's tokens (vLLM's list: keys are made from it once)
     saved_upto: int  # tokens known stored in kvtier or covered by a save job
     save_jobs: int = 0
 
@@ -126,12 +130,13 @@ class KvtierScheduler:
         self.engine = engine
         self.block_size = engine.block_size
         self.namespaces = NamespaceCache(engine)
-        self.backend = Backend(config, "scheduler")
+        self.cache = open_cache(config)
         self.stats = SchedulerStats()
         self._interval = Interval()
         self._block_ids_of = block_ids_of
         self._lookups: dict[ReqId, _Lookup] = {}
         self._requests: dict[ReqId, _Tracked] = {}
+        self._keys: dict[ReqId, list[PrefixKeys]] = {}  # per request, per TP rank: hashed once
         self._waiting: dict[ReqId, _Waiting] = {}
         self._loads: list[LoadJob] = []
         self._next_job = 1
@@ -139,14 +144,14 @@ class KvtierScheduler:
         self._in_flight_keys: Counter = Counter()
         self._job_reports: Counter = Counter()
         # how long an unconfirmed save may hold back lookups of its prefix
-        self._in_flight_s = 2 * config.timeout_s + 1.0 if config.server_mode else 5.0
+        self._in_flight_s = 2 * config.timeout_s + 1.0
         self._chunk_warned = False
 
     # -- chunk size ----------------------------------------------------------------------------
 
     def chunk_size(self) -> int | None:
         """The cache's chunk size, if known and usable with vLLM's blocks."""
-        chunk = self.backend.chunk_size
+        chunk = self.cache.chunk_size
         if chunk is None:
             return None
         if chunk % self.block_size:
@@ -161,8 +166,8 @@ class KvtierScheduler:
         return chunk
 
     def _chunk_size_or_connect(self) -> int | None:
-        if self.backend.chunk_size is None:
-            self.backend.connect()
+        if self.cache.chunk_size is None:
+            self.cache.key_store.ping()
         return self.chunk_size()
 
     # -- lookups -------------------------------------------------------------------------------
@@ -189,28 +194,40 @@ class KvtierScheduler:
         now = time.monotonic()
         if waiting is not None and now - waiting.last_lookup < WAIT_POLL_S:
             return None, False
-        tokens = np.asarray(prompt, dtype=np.uint32)
         started = time.perf_counter()
-        hit, tiers, pending = self._lookup(scope, tokens, chunk, num_computed_tokens)
+        keys = self._request_keys(request.request_id, scope, prompt, chunk)
+        hit, tiers, spans = self._lookup(keys)
+        pending = self._worth_waiting(len(prompt), hit, num_computed_tokens) and self._being_saved(keys[0], hit, chunk)
         self.stats.lookup_s += time.perf_counter() - started
-        if expected and not self._prefill_arrived(request.request_id, hit, min(expected, len(tokens)), now):
+        if expected and not self._prefill_arrived(request.request_id, hit, min(expected, len(prompt)), now):
             return None, False
         if pending:
             self.stats.deferred += 1
             return None, False
         self.stats.lookups += 1
-        self.stats.lookup_tokens += len(tokens)
+        self.stats.lookup_tokens += len(prompt)
         self.stats.hit_tokens += hit
         load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans)
         return load, False
+
+    def _request_keys(self, req_id: ReqId, scope: RequestScope, prompt, chunk: int) -> list[PrefixKeys]:
+        """The keys of the prompt's chunks and partial chunks, per TP rank: hashed once per request."""
+        keys = self._keys.get(req_id)
+        if keys is None:
+            tokens = np.asarray(prompt, dtype=np.uint32)
+            keys = self._keys[req_id] = [
+                prefix_keys(self.namespaces.get(rank, scope), tokens, chunk, self.block_size)
+                for rank in range(self.engine.tp_size)
+            ]
+        return keys
 
     def _prefill_arrived(self, req_id: ReqId, hit: int, expected: int, now: float) -> bool:
         """Whether to go ahead with a request prefilled elsewhere: its KV is here, or it has
         waited ``prefill_wait_s`` for it, or the server cannot be reached."""
         waiting = self._waiting.setdefault(req_id, _Waiting(now, now))
         waiting.last_lookup = now
-        patient = now - waiting.since < self.config.prefill_wait_s and self.backend.reachable
+        patient = now - waiting.since < self.config.prefill_wait_s and self.cache.key_store.reachable
         if hit < expected and patient:  # an unreachable server will not bring the KV either
             return False
         del self._waiting[req_id]
@@ -220,56 +237,43 @@ class KvtierScheduler:
             log.warning(
                 "kvtier: request %s: %d of the %d tokens its prefill instance saved reached the cache in %.1f s%s;"
                 " computing the rest here", req_id, hit, expected, now - waiting.since,
-                "" if self.backend.reachable else " (the kvtier server is unreachable)",
+                "" if self.cache.key_store.reachable else " (the kvtier server is unreachable)",
             )
         else:
             self.stats.prefill_waits += 1
         return True
 
-    def _lookup(self, scope: RequestScope, tokens: np.ndarray, chunk: int, local: int) -> tuple[int, list[str], bool]:
-        """(tokens hit on every TP rank, tier of each chunk, whether to wait for a save in flight)."""
-        hit, tiers = len(tokens), []
-        for rank in range(self.engine.tp_size):
-            ns = self.namespaces.get(rank, scope)
-            result = self.backend.cache.lookup(ns, tokens[:hit])
+    def _lookup(self, keys: list[PrefixKeys]) -> tuple[int, list[str], list[list[ChunkSpan]]]:
+        """(tokens hit on every TP rank, tier of each chunk, the chunks each rank hit): one
+        ``locate`` per rank, partial-chunk candidates included."""
+        hit, tiers, spans = keys[0].spans[-1].end, [], []
+        for rank, rank_keys in enumerate(keys):
+            result = self.cache.lookup_spans(rank_keys.spans, rank_keys.partials)
+            spans.append(result.spans)
             if result.hit_tokens < hit:
                 hit, tiers = result.hit_tokens, result.tiers
             elif rank == 0:
                 tiers = result.tiers
             if hit == 0:
                 break
-        if hit < len(tokens) and hit % chunk == 0:
-            hit, tiers = self._partial_hit(scope, tokens, chunk, hit, tiers)
-        # Waiting is worth it only when most of the prompt would be recomputed otherwise; when
-        # vLLM's own cache (``local``) already holds most of it, the save is not waited for.
-        worth_waiting = 2 * (len(tokens) - max(hit, local)) >= len(tokens)
-        return hit, tiers, worth_waiting and self._being_saved(scope, tokens, chunk, hit)
+        return hit, tiers, spans
 
-    def _partial_hit(self, scope, tokens, chunk, hit, tiers) -> tuple[int, list[str]]:
-        """Past the full chunks found: the longest partial chunk stored when a prompt ended there."""
-        longest = min(hit + chunk - self.block_size, len(tokens) // self.block_size * self.block_size)
-        for end in range(longest, hit, -self.block_size):
-            results = [
-                self.backend.cache.lookup(self.namespaces.get(rank, scope), tokens[:end])
-                for rank in range(self.engine.tp_size)
-            ]
-            if all(r.hit_tokens == end for r in results):
-                return end, results[0].tiers
-        return hit, tiers
+    @staticmethod
+    def _worth_waiting(prompt: int, hit: int, local: int) -> bool:
+        """Waiting for a save in flight is worth it only when most of the prompt would be
+        recomputed otherwise; when vLLM's own cache (``local``) already holds most of it, no."""
+        return 2 * (prompt - max(hit, local)) >= prompt
 
-    def _being_saved(self, scope: RequestScope, tokens: np.ndarray, chunk: int, hit: int) -> bool:
+    def _being_saved(self, keys: PrefixKeys, hit: int, chunk: int) -> bool:
+        """Whether a save in flight stores the next chunk past ``hit`` (or a partial of it)."""
         if not self._in_flight_keys:
             return False
         self._expire_in_flight()
-        ns = self.namespaces.get(0, scope)
-        limit = min(len(tokens), hit + chunk)
-        data = canonical_tokens(tokens[:limit])
-        keys_at = {0: ns.root, **{s.end: s.key for s in chunk_spans(ns, data, chunk)}}  # each chunk hashed once
-        candidates = set()
-        for end in {*range(hit + self.block_size, limit + 1, self.block_size), limit} - {hit}:
-            start = (end - 1) // chunk * chunk  # the last chunk of tokens[:end]
-            candidates.add(chain_key(keys_at[start], data[start:end]))
-        return any(key in self._in_flight_keys for key in candidates)
+        return any(
+            span.key in self._in_flight_keys
+            for span in itertools.chain(keys.spans, *keys.partials)
+            if hit < span.end <= hit + chunk
+        )
 
     def _expire_in_flight(self) -> None:
         now = time.monotonic()
@@ -304,8 +308,7 @@ class KvtierScheduler:
         stored = known.stored if known is not None else 0
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            tokens = np.asarray(prompt, dtype=np.uint32)
-            tracked = self._requests[request.request_id] = _Tracked(scope, tokens, stored)
+            tracked = self._requests[request.request_id] = _Tracked(scope, prompt, stored)
         else:  # resumed after a preemption
             tracked.saved_upto = max(tracked.saved_upto, stored)
         if num_external_tokens <= 0 or known is None:
@@ -316,7 +319,8 @@ class KvtierScheduler:
             log.error("kvtier: vLLM asked for tokens [%d, %d) of a %d-token hit; not loading", start, end, hit)
             return
         block_ids = blocks.get_block_ids()[0][start // self.block_size : pages(end, self.block_size)]
-        self._loads.append(LoadJob(request.request_id, scope, tracked.tokens[:hit], start, end, list(block_ids)))
+        spans = [_covering(rank_spans, start, end) for rank_spans in known.spans]
+        self._loads.append(LoadJob(request.request_id, scope, spans, start, end, list(block_ids)))
         self.stats.load_tokens += num_external_tokens
         self.stats.hits_by_tier.update(tokens_by_tier(known.tiers, self.chunk_size() or self.block_size, start, end))
 
@@ -347,13 +351,13 @@ class KvtierScheduler:
         end = prompt if computed >= prompt else computed // chunk * chunk
         if end <= tracked.saved_upto:
             return
+        keys = self._request_keys(req_id, tracked.scope, tracked.tokens, chunk)
+        spans = [[s for s in save_spans(k, end, self.block_size) if s.end > tracked.saved_upto] for k in keys]
         blocks = self._block_ids_of(req_id)[: pages(end, self.block_size)]
-        job = SaveJob(req_id, tracked.scope, tracked.tokens[:end], tracked.saved_upto, list(blocks), self._next_job)
+        job = SaveJob(req_id, tracked.scope, spans, list(blocks), self._next_job)
         self._next_job += 1
-        ns = self.namespaces.get(0, tracked.scope)
-        keys = [s.key for s in save_spans(ns, job.tokens, chunk, self.block_size) if s.end > job.start]
-        self._in_flight[job.job_id] = _InFlight(keys, time.monotonic() + self._in_flight_s)
-        self._in_flight_keys.update(keys)
+        self._in_flight[job.job_id] = _InFlight([s.key for s in spans[0]], time.monotonic() + self._in_flight_s)
+        self._in_flight_keys.update(self._in_flight[job.job_id].keys)
         tracked.saved_upto = end
         tracked.save_jobs += 1
         self.stats.save_jobs += 1
@@ -373,6 +377,7 @@ class KvtierScheduler:
         """Forget the request; for a prefill asked by the proxy, the kv_transfer_params to answer."""
         self._lookups.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
+        self._keys.pop(request.request_id, None)
         tracked = self._requests.pop(request.request_id, None)
         if not (request.kv_transfer_params or {}).get(PREFILL_PARAM):
             return None
@@ -386,7 +391,14 @@ class KvtierScheduler:
         return self._interval.take(self.figures())
 
     def shutdown(self) -> None:
-        self.backend.close()
+        close_cache(self.cache)
+
+
+def _covering(spans: list[ChunkSpan], start: int, end: int) -> list[ChunkSpan]:
+    """The consecutive chunks of ``spans`` a load of tokens [start, end) reads."""
+    first = next(i for i, span in enumerate(spans) if span.end > start)
+    last = next(i for i, span in enumerate(spans) if span.end >= end)
+    return spans[first : last + 1]
 
 
 def tokens_by_tier(tiers: list[str], chunk: int, start: int, end: int) -> Counter:

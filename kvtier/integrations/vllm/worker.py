@@ -3,7 +3,8 @@
 Each engine step:
 
     start_load_kv        (before the forward pass) every load of the step: one retrieve per
-                         request, then whole pages copied from the chunk payloads into vLLM's blocks
+                         request of the chunks the scheduler named (keys, no hashing here; none
+                         that vLLM holds already), then whole pages copied into vLLM's blocks
     wait_for_save        (after the forward pass) the pages of the chunks the step completed are
                          copied into a staging ring and a saver thread stores them (saver.py)
     build_connector_worker_meta   which save jobs ended, for the scheduler side
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.integrations.vllm.backend import Backend
 from kvtier.integrations.vllm.blocks import PagedKV
 from kvtier.integrations.vllm.common import (
     EngineLayout,
@@ -37,6 +37,7 @@ from kvtier.integrations.vllm.common import (
     pages,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.keystores import close_cache, open_cache
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
 from kvtier.integrations.vllm.saver import Saver
 
@@ -71,15 +72,17 @@ class KvtierWorker:
         self.stats = WorkerStats()
         self._interval = Interval()
         self.pages: PagedKV | None = None
-        self._loads = Backend(config, "worker-load")
-        self._releaser = ThreadPoolExecutor(1, "kvtier-release") if config.server_mode else None
+        self._loads = open_cache(config)
+        # releases can be round trips to a server: off the engine's path
+        self._releaser = ThreadPoolExecutor(1, "kvtier-release")
         self._invalid_blocks: set[int] = set()
         self._saver: Saver | None = None
-        # its own client in server mode, so a load never queues behind a save on one socket
-        self._saves = (Backend(config, "worker-save") if config.server_mode else self._loads) if config.save else None
+        # its own key store, so a load never queues behind a save on one server socket
+        self._saves = open_cache(config) if config.save else None
         # connect (and map the server's arena) now rather than on the first request's path
-        for backend in {id(b): b for b in (self._loads, self._saves) if b is not None}.values():
-            backend.connect()
+        for cache in (self._loads, self._saves):
+            if cache is not None:
+                cache.key_store.ping()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = PagedKV(kv_caches, self.engine, self.num_blocks)
@@ -108,7 +111,7 @@ class KvtierWorker:
         loaded = job.start
         retrieval = None
         try:
-            retrieval = self._loads.cache.retrieve(ns, job.tokens)
+            retrieval = self._loads.retrieve_spans(ns, job.spans[self.tp_rank])
             self.stats.retrieve_s += time.perf_counter() - started
             for chunk in retrieval.chunks:
                 span = chunk.span
@@ -116,7 +119,7 @@ class KvtierWorker:
                 if lo >= hi:
                     continue
                 if span.start > loaded:
-                    break  # never happens: chunks come back contiguous from token 0
+                    break  # never happens: chunks come back contiguous from the first asked for
                 payload = self.pages.payload_view(chunk.payload, pages(span.num_tokens, bs))
                 block_ids = job.block_ids[(lo - job.start) // bs : pages(hi - job.start, bs)]
                 self.pages.scatter(payload, (lo - span.start) // bs, block_ids)
@@ -141,10 +144,7 @@ class KvtierWorker:
 
     def _release(self, retrieval) -> None:
         """Hand the objects back; a server round trip, so off the engine's path."""
-        if self._releaser is None:
-            retrieval.close()
-        else:
-            self._releaser.submit(retrieval.close)
+        self._releaser.submit(retrieval.close)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
@@ -171,10 +171,9 @@ class KvtierWorker:
         return self._interval.take(self.figures())
 
     def shutdown(self) -> None:
-        if self._releaser is not None:
-            self._releaser.shutdown(wait=True)
+        self._releaser.shutdown(wait=True)
         if self._saver is not None:
             self._saver.close()
-        if self._saves is not None and self._saves is not self._loads:
-            self._saves.close()
-        self._loads.close()
+        if self._saves is not None:
+            close_cache(self._saves)
+        close_cache(self._loads)

@@ -6,6 +6,10 @@ A message is a ZeroMQ multipart message. Frame 0 is a msgpack-encoded request or
 1..n. Requests carry the protocol version; a server answers a version it does not speak with
 ``Error(code="version")``. Keys are 32-byte chunk keys (kvtier.keys).
 
+A lookup is one ``Lookup``: the keys of a prompt's chunks and, per chunk, the candidate partial
+chunks to try where the walk stops (so a lookup never costs a second round trip). Server-side
+counters of every request type (``kvtier_requests_total{op}``) let a test count round trips.
+
 Writes through shared memory are two-phase: ``Reserve`` gives slots in the arena, the client
 writes whole sealed objects into them, ``Commit`` makes them visible (or ``Abort`` gives them back).
 Reads through shared memory are leases: ``Retrieve`` pins objects and says where they are,
@@ -19,7 +23,9 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+from kvtier.events import CacheEvent
+
+PROTOCOL_VERSION = 2
 #: Shared-memory requests name the arena they mean by this many bytes of its nonce, so a client
 #: still mapping the arena of a server that has since restarted is refused ("stale-arena"),
 #: never handed offsets into memory that now means something else.
@@ -49,10 +55,16 @@ class Ping(_Request, tag="ping"):
 
 
 class Lookup(_Request, tag="lookup"):
-    """``tokens[i]``, if given, is the token count of chunk i: it feeds the hit-rate metrics."""
+    """The longest cached prefix of ``keys``; where it stops at chunk i, the first cached key of
+    ``partials[j]`` for which ``partial_at[j] == i`` (in the order given: longest first).
+    ``ends[i]``, if given, is where chunk i ends in the prompt (``partial_ends[j]`` for partial
+    j, which starts where chunk i does): the token ranges feed the hit-rate metrics."""
 
     keys: Keys = []
-    tokens: Ids = []
+    ends: Ids = []
+    partials: Keys = []
+    partial_at: Ids = []
+    partial_ends: Ids = []
 
 
 class Reserve(_Request, tag="reserve"):
@@ -97,7 +109,12 @@ class Status(_Request, tag="status"):
     pass
 
 
-Request = Union[Hello, Ping, Lookup, Reserve, Commit, Abort, Put, Retrieve, Release, Clear, Status]
+class TakeEvents(_Request, tag="events"):
+    """The store's changes since the last ``TakeEvents`` of any client (each event goes to one
+    taker; the store keeps a bounded backlog)."""
+
+
+Request = Union[Hello, Ping, Lookup, Reserve, Commit, Abort, Put, Retrieve, Release, Clear, Status, TakeEvents]
 
 
 class _Reply(msgspec.Struct, tag_field="op", frozen=True):
@@ -119,6 +136,8 @@ class Pong(_Reply, tag="pong"):
 
 class LookupReply(_Reply, tag="lookup"):
     tiers: list[str]  # the highest tier holding each chunk of the hit prefix
+    partial: int = -1  # index into the request's partials of the one found; -1: none
+    partial_tier: str = ""
 
 
 SlotState = Literal["slot", "cached", "full"]
@@ -166,6 +185,10 @@ class StatusReply(_Reply, tag="status"):
     status: dict
 
 
+class EventsReply(_Reply, tag="events"):
+    events: list[CacheEvent]
+
+
 class Error(_Reply, tag="error"):
     code: str  # "bad-request", "version", "stale-arena", "unauthorized", "internal"
     message: str
@@ -173,7 +196,7 @@ class Error(_Reply, tag="error"):
 
 Reply = Union[
     HelloReply, Pong, LookupReply, ReserveReply, CommitReply, AbortReply, PutReply, RetrieveReply,
-    ReleaseReply, ClearReply, StatusReply, Error,
+    ReleaseReply, ClearReply, StatusReply, EventsReply, Error,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,192 @@
+"""TokenCache: the token level of kvtier, written once over any key store (``keystore.KeyStore``).
+
+    lookup    tokens --chunk+hash--> keys --locate--> the longest cached prefix, and its tiers
+    retrieve  the cached chunks of a token range as raw KV, checked against the layout
+    store     per chunk not cached yet: reserve a slot, fill it with raw KV, seal it, commit
+
+The same cache serves an embedded ``TieredStore`` and a ``KvtierClient`` of ``kvtier server``,
+and every engine integration (vLLM's connector, transformers, CacheBlend). Callers that keep
+their keys (vLLM's scheduler hashes each chunk once per request) use the ``*_spans`` forms.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvtier.errors import ObjectError
+from kvtier.keys import ChunkSpan, Namespace, chunk_spans, spans_within
+from kvtier.keystore import KeyStore, Lease
+from kvtier.layout import KVLayout
+from kvtier.objects import HEADER_SIZE, decode_payload, object_size, seal
+
+log = logging.getLogger(__name__)
+
+#: Fills ``dest`` (exactly ``layout.payload_bytes(span.num_tokens)`` bytes) with the raw KV of
+#: the tokens ``span`` covers.
+FillFn = Callable[[ChunkSpan, memoryview], None]
+
+
+@dataclass
+class LookupResult:
+    hit_tokens: int
+    spans: list[ChunkSpan]  # the chunks of the hit prefix, in order
+    tiers: list[str]  # the name of the tier that holds each of them (the highest one)
+
+
+@dataclass
+class RetrievedChunk:
+    span: ChunkSpan
+    payload: memoryview  # raw KV of the chunk, read-only
+
+
+@dataclass
+class Retrieval:
+    """The retrieved chunks; a context manager that releases their leases on exit."""
+
+    chunks: list[RetrievedChunk]
+    _release: Callable[[], None] = field(repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Where the retrieved range ends (0 if nothing was found)."""
+        return self.chunks[-1].span.end if self.chunks else 0
+
+    def close(self) -> None:
+        self._release()
+
+    def __enter__(self) -> "Retrieval":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class CacheStats:
+    stored_chunks: int = 0
+    stored_tokens: int = 0
+    skipped_chunks: int = 0  # cached already
+    failed_chunks: int = 0  # stores cut short: no room for a chunk (the rest is not stored)
+    dropped_chunks: int = 0  # filled but not committed (a remote store unreachable)
+    refused: int = 0  # objects that did not fit the key or layout they were read for
+
+
+def payload_chunks(spans: Sequence[ChunkSpan], leases: Sequence[Lease], layout: KVLayout) -> list[RetrievedChunk]:
+    """The raw KV of each leased object, checked against its span and layout (and its checksum
+    where its bytes crossed a socket); stops at the first object that does not fit (the rest of
+    the range is then a miss)."""
+    chunks = []
+    for span, lease in zip(spans, leases):
+        try:
+            payload = decode_payload(lease.view, span.key, layout, not lease.checked)
+            if len(payload) != layout.payload_bytes(span.num_tokens):
+                raise ObjectError(f"object holds {len(payload)} bytes, its {span.num_tokens} tokens need more or less")
+        except ObjectError as exc:
+            log.error("refusing object %s: %s", span.key.hex()[:16], exc)
+            break
+        chunks.append(RetrievedChunk(span, payload))
+    return chunks
+
+
+class TokenCache:
+    def __init__(self, store: KeyStore) -> None:
+        self.key_store = store
+        self.stats = CacheStats()
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.key_store.chunk_size
+
+    def _chunk(self) -> int | None:
+        if self.key_store.chunk_size is None:  # a remote store not reached yet: a ping learns it
+            self.key_store.ping()
+        return self.key_store.chunk_size
+
+    def spans(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> list[ChunkSpan]:
+        """The chunks of ``tokens`` (the last one shorter where they end inside it); none while
+        the store's chunk size is unknown (a remote store that cannot be reached)."""
+        chunk = self._chunk()
+        return chunk_spans(namespace, tokens, chunk) if chunk is not None else []
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> LookupResult:
+        return self.lookup_spans(self.spans(namespace, tokens))
+
+    def lookup_spans(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = ()) -> LookupResult:
+        """The longest cached prefix of ``spans``; where it stops at chunk i, extended by the
+        first cached span of ``partials[i]`` (shorter prefixes of chunk i, longest first).
+        One ``locate`` of the store: one round trip to a server."""
+        if not spans:
+            return LookupResult(0, [], [])
+        located = self.key_store.locate(spans, partials)
+        hit = list(spans[: len(located.tiers)])
+        tiers = list(located.tiers)
+        if located.partial >= 0:
+            hit.append(partials[len(tiers)][located.partial])
+            tiers.append(located.partial_tier)
+        return LookupResult(hit[-1].end if hit else 0, hit, tiers)
+
+    # -- retrieve ----------------------------------------------------------------------------
+
+    def retrieve(
+        self, namespace: Namespace, tokens: Sequence[int] | np.ndarray, start: int = 0, end: int | None = None
+    ) -> Retrieval:
+        """The cached chunks of ``tokens`` that end after ``start`` and no later than ``end``,
+        contiguous from the first of them, as raw KV. Use as a context manager."""
+        return self.retrieve_spans(namespace, spans_within(self.spans(namespace, tokens), start, end))
+
+    def retrieve_spans(self, namespace: Namespace, spans: Sequence[ChunkSpan]) -> Retrieval:
+        """The longest cached run of ``spans`` (consecutive chunks of one chain) from the first."""
+        if not spans:
+            return Retrieval([], lambda: None)
+        leases = self.key_store.acquire([s.key for s in spans])
+        chunks = payload_chunks(spans, leases, namespace.layout)
+        self.stats.refused += len(chunks) < len(leases)
+        return Retrieval(chunks, lambda: self.key_store.release(leases))
+
+    # -- store -------------------------------------------------------------------------------
+
+    def store(
+        self,
+        namespace: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        fill: FillFn,
+        start: int = 0,
+        end: int | None = None,
+    ) -> int:
+        """Store the chunks of ``tokens`` that end after ``start`` and no later than ``end``
+        (default: all, with the last partial chunk) and are not cached yet. ``fill`` writes a
+        chunk's raw KV straight into its slot. Returns the number of chunks stored."""
+        return self.store_spans(namespace, spans_within(self.spans(namespace, tokens), start, end), fill)
+
+    def store_spans(self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn) -> int:
+        """Store these chunks (in order; those cached already are skipped): reserve, fill and
+        seal, commit. A failing ``fill`` aborts every slot of the call (nothing of it becomes
+        visible) and re-raises."""
+        if not spans:
+            return 0
+        layout = namespace.layout
+        reservations = self.key_store.reserve([(s.key, object_size(layout.payload_bytes(s.num_tokens))) for s in spans])
+        self.stats.failed_chunks += len(reservations) < len(spans)
+        slots = [(span, r) for span, r in zip(spans, reservations) if r is not None]
+        self.stats.skipped_chunks += len(reservations) - len(slots)
+        try:
+            for span, reservation in slots:
+                fill(span, reservation.view[HEADER_SIZE:])
+                seal(reservation.view, span.key, layout, span.num_tokens, checksum=reservation.checksum)
+        except BaseException:
+            self.key_store.abort([r for _, r in slots])
+            raise
+        if not slots:
+            return 0
+        committed = self.key_store.commit([r for _, r in slots])
+        stored = [span for (span, _), ok in zip(slots, committed) if ok]
+        self.stats.dropped_chunks += len(slots) - len(stored)
+        self.stats.stored_chunks += len(stored)
+        self.stats.stored_tokens += sum(s.num_tokens for s in stored)
+        return len(stored)

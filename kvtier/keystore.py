@@ -1,0 +1,96 @@
+"""The key-store protocol: what every store of whole KV objects under chunk keys offers, whether
+it lives in this process (``TieredStore``) or behind a socket (``KvtierClient``).
+
+Its methods name the two-phase life of data, so that no caller can forget a phase:
+
+    find      locate(spans, partials)           the longest cached prefix of a key chain
+    read      acquire(keys) ... release(leases) objects pinned while the caller reads them
+    write     reserve(items) ... commit(slots)  a slot per object, filled by the caller, then
+              (or abort(slots))                 made visible; an aborted slot was never seen
+    watch     take_events()                     what changed since the last call
+
+``kvtier.cache.TokenCache`` is written once over this protocol: it turns tokens into keys and
+back, and fills and seals objects. A key store never sees a token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+from kvtier.events import CacheEvent
+from kvtier.keys import ChunkSpan
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A writable slot for one whole object (``view`` is exactly its size), invisible to readers
+    until committed."""
+
+    key: bytes
+    view: memoryview
+    offset: int = -1  # where the slot starts in the store's (shared) arena
+    slot: int = 0  # the store's handle for it (a server's slot id)
+    checksum: bool = False  # seal the object with its checksum: its bytes will cross a socket
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A read-only view of one whole object, pinned until released. ``pinned=False``: a private
+    copy (nothing to release)."""
+
+    key: bytes
+    view: memoryview
+    offset: int = -1  # where the object starts in the store's (shared) arena; -1 for a copy
+    pinned: bool = True
+    lease: int = 0  # the store's handle for it (a server's lease id)
+    checked: bool = True  # False: the bytes crossed a socket and their checksum is still to verify
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where the longest cached prefix of a key chain is: the tier holding each of its keys,
+    highest first; and where the walk stopped, which candidate partial chunk was found, if any."""
+
+    tiers: list[str] = field(default_factory=list)
+    partial: int = -1  # index into the candidates for the chunk the walk stopped at; -1: none
+    partial_tier: str = ""
+
+
+class KeyStore(Protocol):
+    """A store of whole KV objects under chunk keys (see the module docstring)."""
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Tokens per chunk the store was made for; None while a remote store is not reached."""
+
+    @property
+    def reachable(self) -> bool:
+        """False while a remote store is known to be down (calls are instant misses then)."""
+
+    def ping(self) -> bool:
+        """Whether the store answers; a remote store connects and learns its chunk size."""
+
+    def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = ()) -> Located:
+        """The tiers of the longest contiguous cached prefix of the chunks ``spans`` (their keys;
+        their token ranges only feed hit-rate metrics); then, where it stops at chunk i, the
+        first of ``partials[i]`` (shorter prefixes of chunk i, longest first) that is cached."""
+
+    def acquire(self, keys: Sequence[bytes], checksum: bool = False) -> list[Lease]:
+        """Leases on the objects of the longest contiguous cached prefix of ``keys``; with
+        ``checksum``, every object carries its checksum (it is about to leave memory)."""
+
+    def release(self, leases: Sequence[Lease]) -> None: ...
+
+    def reserve(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation | None]:
+        """A slot for each (key, object size), in order: None where the key is cached already.
+        The list ends early at the first key there is no room for (the rest would be
+        unreachable without it)."""
+
+    def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """Make filled, sealed slots visible; True for each that now is."""
+
+    def abort(self, reservations: Sequence[Reservation]) -> None: ...
+
+    def take_events(self) -> list[CacheEvent]:
+        """The changes since the last call (and forget them)."""
