@@ -90,7 +90,7 @@ def speed(doc_words: int, repeats: int, config: BlendConfig) -> dict:
         computed (the same attention code as the blend: the fair comparison of the strategies)."""
         kv = torch.empty((L, 2, H, len(tokens), D))
         dest = kv.view(torch.uint8).numpy()
-        with store.retrieve(prefix.namespace, tokens) as retrieval:
+        with prefix.cache.retrieve(prefix.namespace, tokens) as retrieval:
             for chunk in retrieval.chunks:
                 span = chunk.span
                 src = np.frombuffer(chunk.payload, dtype=np.uint8).reshape(L, 2, H, span.num_tokens, -1)

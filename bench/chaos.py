@@ -49,11 +49,13 @@ def prompt(p: int):
 def client_worker(url: str, stop, seed: int, results, origin: float) -> None:
     """Mixed lookups, stores and retrieves of the shared prompt pool until ``stop`` is set;
     puts its counts, per-operation latencies and timeline (since ``origin``) on ``results``."""
+    from kvtier.cache import TokenCache
     from kvtier.client import KvtierClient
 
     rng = random.Random(seed)
     timeline = Timeline(origin)
     client = KvtierClient(url, timeout_s=TIMEOUT_S)
+    cache = TokenCache(client)
     counts = {"stores": 0, "stored_chunks": 0, "lookups": 0, "retrieves": 0, "hits": 0, "misses": 0,
               "wrong_bytes": 0, "hangs": 0, "max_call_s": 0.0}
     latencies: dict[str, list[float]] = {"store": [], "lookup": [], "retrieve": []}
@@ -64,15 +66,15 @@ def client_worker(url: str, stop, seed: int, results, origin: float) -> None:
         if choice < 0.3:
             op = outcome = "store"
             counts["stores"] += 1
-            counts["stored_chunks"] += client.store(NS, toks, fill_for(toks))
+            counts["stored_chunks"] += cache.store(NS, toks, fill_for(toks))
         elif choice < 0.5:
             op = outcome = "lookup"
             counts["lookups"] += 1
-            client.lookup(NS, toks)
+            cache.lookup(NS, toks)
         else:
             op = "retrieve"
             counts["retrieves"] += 1
-            with client.retrieve(NS, toks) as r:
+            with cache.retrieve(NS, toks) as r:
                 if r.num_tokens:
                     outcome = "hit"
                     counts["hits"] += 1
@@ -85,7 +87,7 @@ def client_worker(url: str, stop, seed: int, results, origin: float) -> None:
         latencies[op].append(took)
         counts["max_call_s"] = max(counts["max_call_s"], took)
         counts["hangs"] += took > HANG_AFTER_S
-    counts["errors"] = client.stats.timeouts + client.stats.server_errors + client.stats.refused_objects
+    counts["errors"] = client.stats.timeouts + client.stats.server_errors + cache.stats.refused
     client.close()
     results.put((counts, latencies, timeline))
 

@@ -215,7 +215,7 @@ def int8_effect(prompts: int, new_tokens: int) -> dict[str, float]:
             ref_logits = ref.prefill.next_token_logits
             for codec, (writer, reader) in paths.items():
                 writer.prefill(ids, reuse=False)
-                writer.store.flush()
+                writer.cache.key_store.flush()
                 got = reader.generate(ids, new_tokens, store=False, stop_at_eos=False)
                 assert got.reused_tokens > 0.8 * len(ids), "the prefix did not come from the codec tier"
                 agree[codec].append(float(np.mean(np.array(got.tokens) == np.array(ref.tokens))))
@@ -224,7 +224,7 @@ def int8_effect(prompts: int, new_tokens: int) -> dict[str, float]:
                 abs_err[codec].append(diff)
                 rel_err[codec].append(diff / ref_logits.abs().max().item())
         for cached in [reference, *(m for pair in paths.values() for m in pair)]:
-            cached.store.close()
+            cached.cache.key_store.close()
     return {
         "int8_token_agreement": float(np.mean(agree["int8"])),
         "int8_first_token_agreement": float(np.mean(first["int8"])),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
@@ -36,7 +37,7 @@ CHUNK = 256
 
 
 
-def measure_path(client: KvtierClient, chunks: int, repeats: int, payload: np.ndarray, dest: np.ndarray,
+def measure_path(client: TokenCache, chunks: int, repeats: int, payload: np.ndarray, dest: np.ndarray,
                  first_token: int) -> dict[str, float]:
     """Store and retrieve ``chunks`` chunks as one prompt; a fresh prompt for every store run."""
     size = payload.nbytes
@@ -114,15 +115,16 @@ def main(argv: list[str] | None = None) -> int:
             shm = KvtierClient(server.url, timeout_s=30)
             frames = KvtierClient(server.url, timeout_s=30, use_shared_memory=False)
             assert shm.ping() and shm._arena is not None, "shared memory not available"
-            shm_result = measure_path(shm, chunks, repeats, payload, dest, 0)
-            frames_result = measure_path(frames, chunks, repeats, payload, dest, 10_000_000)
+            shm_result = measure_path(TokenCache(shm), chunks, repeats, payload, dest, 0)
+            frames_result = measure_path(TokenCache(frames), chunks, repeats, payload, dest, 10_000_000)
 
             prompt = np.arange(50_000_000, 50_000_000 + 8192)
-            shm.store(NS, prompt[:4096], lambda span, out: None)  # half of it cached: a realistic walk
+            cache = TokenCache(shm)
+            cache.store(NS, prompt[:4096], lambda span, out: None)  # half of it cached: a realistic walk
             latencies = []
             for _ in range(200 if args.quick else 1000):
                 start = time.perf_counter()
-                shm.lookup(NS, prompt)
+                cache.lookup(NS, prompt)
                 latencies.append(time.perf_counter() - start)
             shm.close()
             frames.close()

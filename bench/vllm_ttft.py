@@ -16,6 +16,10 @@ Each context is asked twice with different 16-token questions, one request at a 
     miss_overhead        B / A in pass 3, contexts never seen      (target <= 1.03)
     warm_vs_cold_8k      cold / warm TTFT in B at L = 8192         (target >= 10)
     outputs_identical    the first token of every measured prompt is the same in A, B and the floor
+    server_calls_per_warm_request   lookups + retrieves + releases B's kvtier server counted in
+                         pass 2, per request (one TP rank)            (target <= 3)
+    chunk_hashes_per_request        blake3 passes over a chunk's tokens in B's engine in pass 2,
+                         per request                                  (target <= the prompt's chunks)
 
 plus cold and warm TTFT in B at L = 1k, 2k, 4k, 8k (warm: after vLLM's own cache is reset, so the
 KV comes from kvtier), drawn as a PNG. Every number comes from this run; the machine's load
@@ -39,6 +43,7 @@ import shutil
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from kvtier_testing.cache_dir import cache_dir
@@ -56,6 +61,8 @@ TARGETS = {
     "miss_overhead": Target("<=", 1.03),
     "warm_vs_cold_8k": Target(">=", 10),
     "outputs_identical": Target("==", True, "first tokens of A, B and the floor"),
+    "server_calls_per_warm_request": Target("<=", 3, "lookup, retrieve, release: per TP rank"),
+    "chunk_hashes_per_prompt_chunk": Target("<=", 1, "the scheduler hashes each chunk once; workers never"),
 }
 
 
@@ -147,8 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     env["OMP_NUM_THREADS"] = str(args.threads)
     l1_gb = max(0.25, 3 * (n + args.misses + 8) * length * bytes_per_token / 2**30)
-    port = free_port()
-    server = kvtier_server(port, free_port(), env, args.workdir, "--l1-size-gb", f"{l1_gb:.3f}", "--chunk-size", "256")
+    port, http_port = free_port(), free_port()
+    server = kvtier_server(port, http_port, env, args.workdir, "--l1-size-gb", f"{l1_gb:.3f}", "--chunk-size", "256")
+
+    def server_requests() -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=10) as reply:
+            return json.load(reply)["traffic"]["requests"]
+
     server.start().wait_healthy(60)
     a = EngineProcess(model, args.workdir, enable_prefix_caching=True, max_model_len=max_len, llm_kwargs=capped,
                       env=env, name="A-vllm")
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 out += _ask(engine, [pass1[i] for i in group])
             b.drain()
         snapshots.append(b.drain())
+        requests_before = server_requests()
         for k, group in enumerate(_groups(range(n))):
             for engine, out in _turn_order(k, (a, a2), (b, b2)):
                 for i in group:
@@ -183,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                     if engine is a:
                         floor += _ask(a, [pass2[i]])  # the same prompt again: vLLM's own prefix-cache hit
         snapshots.append(b.drain())
+        time.sleep(0.5)  # releases go off the engine's path, in a thread
+        pass2_requests = {op: count - requests_before.get(op, 0) for op, count in server_requests().items()}
         for k, group in enumerate(_groups(range(len(pass3)))):
             for engine, out in _turn_order(k, (a, a3), (b, b3)):
                 out += _ask(engine, [pass3[i] for i in group])
@@ -235,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     for entry in sweep_table.values():
         entry["cold_over_warm"] = entry["cold_s"] / entry["warm_s"]
+    load_calls = sum(pass2_requests.get(op, 0) for op in ("lookup", "retrieve", "release"))
+    save_calls = sum(pass2_requests.get(op, 0) for op in ("reserve", "commit", "abort", "put"))
+    hashes = snapshots[2].get("chunk_hashes", 0) - snapshots[1].get("chunk_hashes", 0)
+    prompt_chunks = math.ceil(len(pass2[0]) / 256)
     summary = {
         "ttft_ratio_vs_vllm": med(a2) / med(b2),
         "warm_vs_floor": med(b2) / statistics.median(ttft(floor)),
@@ -242,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         "miss_overhead": med(b3) / med(a3),
         "warm_vs_cold_8k": sweep_table.get(8192, {}).get("cold_over_warm", float("nan")),
         "outputs_identical": identical,
+        "server_calls_per_warm_request": load_calls / len(b2),
+        "chunk_hashes_per_request": hashes / len(b2),
+        "chunk_hashes_per_prompt_chunk": hashes / len(b2) / prompt_chunks,
     }
 
     print(f"vLLM TTFT, tiny Llama on vllm-cpu: N={n} contexts of L={length} tokens (+{QUESTION}-token questions),"
@@ -270,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     for length_i, entry in sweep_table.items():
         print(f"{length_i:>6}{entry['cold_s'] * 1e3:>10.1f}{entry['warm_s'] * 1e3:>10.1f}"
               f"{entry['cold_over_warm']:>11.1f}{entry['cached_share']:>8.0%}")
+    print(f"pass 2 in B, per request: {summary['server_calls_per_warm_request']:.2f} server round trips to look up and"
+          f" load ({pass2_requests}), {save_calls / len(b2):.2f} to save its new tail;"
+          f" {summary['chunk_hashes_per_request']:.2f} chunk hashes for a prompt of {prompt_chunks} chunks")
     met = report(summary, TARGETS)
     worker = b_stats.get("worker", {})
     print(f"kvtier in B: saves {worker.get('saves')} (on the engine's path: {worker.get('stage_seconds', 0) * 1e3:.0f} ms copying"
@@ -306,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             "floor": [round(x * 1e3, 1) for x in ttft(floor)],
         },
         "kvtier_on_engine_path_ms": {"pass 1": on_path[0], "pass 2": on_path[1], "pass 3": on_path[2]},
+        "server_requests_pass_2": pass2_requests,
+        "server_save_calls_per_warm_request": save_calls / len(b2),
         "fill_overhead_accounted": 1 + on_path[0] / (med(a1) * 1e3),
         "miss_overhead_accounted": 1 + on_path[2] / (med(a3) * 1e3),
         "sweep": {str(k): v for k, v in sweep_table.items()},
