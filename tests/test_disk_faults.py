@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.cache import TokenCache
 from kvtier.layout import KVLayout
 from kvtier.objects import build_object
 from kvtier.tiers.disk import LOCK_NAME, DiskTier
@@ -195,6 +196,7 @@ def test_a_full_disk_under_a_server_keeps_it_serving_and_reports_it(tmp_path, mo
     server.start()
     faults = DiskFaults(monkeypatch, base)
     client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+    client_cache = TokenCache(client)
 
     def l2() -> dict:
         return server.service.status()["tiers"][1]
@@ -208,14 +210,14 @@ def test_a_full_disk_under_a_server_keeps_it_serving_and_reports_it(tmp_path, mo
     try:
         faults.fail("write", errno.ENOSPC)
         toks = tokens(1000, 48)
-        assert client.store(NS, toks, fill_for(toks)) == 3
+        assert client_cache.store(NS, toks, fill_for(toks)) == 3
         wait_for(lambda: l2()["stats"]["errors"] == 3)
         assert l2()["healthy"] is False and l2()["objects"] == 0
-        with client.retrieve(NS, toks) as r:  # served from memory all the same
+        with client_cache.retrieve(NS, toks) as r:  # served from memory all the same
             assert r.num_tokens == 48 and retrieved_is_exact(r, toks)
         faults.heal()
         toks = tokens(2000, 32)
-        assert client.store(NS, toks, fill_for(toks)) == 2
+        assert client_cache.store(NS, toks, fill_for(toks)) == 2
         wait_for(lambda: l2()["objects"] == 2)
         assert l2()["healthy"] is True
     finally:

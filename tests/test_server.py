@@ -49,6 +49,7 @@ def test_restart_keeps_disk_hits(server):
     assert server.stop() == 0  # SIGTERM: pending disk writes are flushed
     server.start()
     client = KvtierClient(server.url, timeout_s=5)
+    client_cache = TokenCache(client)
     assert client_cache.lookup(NS, tokens(5000, 64)).tiers == ["disk"] * 4
     client.close()
     assert engine("retrieve", server, 5000, 64) == {"tokens": 64, "exact": True, "shared_memory": True}

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier.config import ServerConfig, convert
-from kvtier.wire import protocol as p
 from kvtier.server.main import KvtierServer
+from kvtier.wire import protocol as p
 from kvtier_testing.data_port_junk import dealer, pong_through, send_raw, zmtp1_without_envelope
 from kvtier_testing.kvtier_processes import free_port
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
@@ -265,3 +265,35 @@ def test_many_threads_share_one_server(server):
         for done in [pool.submit(work, b) for b in (100_000, 200_000, 300_000, 400_000)]:
             done.result()  # re-raises what failed in the thread
     np.testing.assert_equal(server.service.status()["leases_and_reservations"], 0)
+
+
+def test_a_lookup_finds_a_partial_chunk_in_the_same_round_trip(server):
+    """Where the walk over whole chunks stops, the candidate partial chunks sent with the lookup
+    are tried, longest first: one request, counted once by the server."""
+    from kvtier.keys import prefix_keys
+
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+    cache = TokenCache(client)
+    toks = tokens(60_000, 40)
+    assert cache.store(NS, toks[:24], fill_for(toks)) == 2  # a chunk of 16 and a partial one of 8
+    keys = prefix_keys(NS, toks, 16, block_size=4)
+    before = server.service.metrics.traffic()["requests"].get("lookup", 0)
+    result = cache.lookup_spans(keys.spans, keys.partials)
+    assert (result.hit_tokens, [(s.start, s.end) for s in result.spans]) == (24, [(0, 16), (16, 24)])
+    assert result.tiers == ["memory", "memory"]
+    assert server.service.metrics.traffic()["requests"]["lookup"] == before + 1
+    with cache.retrieve_spans(NS, result.spans[1:]) as r:  # from a start: only what is asked for
+        assert [c.span for c in r.chunks] == result.spans[1:] and retrieved_is_exact(r, toks)
+    client.close()
+
+
+def test_events_travel_to_the_client(server):
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+    client.take_events()  # what earlier tests left
+    toks = tokens(70_000, 32)
+    TokenCache(client).store(NS, toks, fill_for(toks))
+    events = client.take_events()
+    assert [(e.kind, e.tier) for e in events] == [("stored", "memory")] * 2
+    assert {e.key for e in events} == {s.key for s in TokenCache(client).spans(NS, toks)}
+    assert client.take_events() == []
+    client.close()

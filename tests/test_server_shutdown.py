@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier.server.main import EXIT_STOP_OVERRUN
 from kvtier.wire.shm import SHM_DIR
@@ -93,9 +94,10 @@ def test_server_serves_a_well_formed_client_after_junk(server, path):
     send_random_connections(server.port, seed=3)
     send_malformed_multipart(server.port)
     client = KvtierClient(server.url, timeout_s=5, use_shared_memory=path == "shared-memory")
+    client_cache = TokenCache(client)
     toks = tokens(0, 64)
-    assert client.store(NS, toks, fill_for(toks)) == 4
-    with client.retrieve(NS, toks) as retrieval:
+    assert client_cache.store(NS, toks, fill_for(toks)) == 4
+    with client_cache.retrieve(NS, toks) as retrieval:
         assert retrieval.num_tokens == 64 and retrieved_is_exact(retrieval, toks)
     assert (client._arena is not None) == (path == "shared-memory")
     client.close()

@@ -261,10 +261,11 @@ def test_broken_lower_tier_is_a_miss_and_a_failed_write():
 
 def test_store_events_name_each_tier_that_changed(tmp_path):
     store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
+    cache = TokenCache(store)
     tokens = np.arange(40)
-    store.store(NS, tokens, fill_for(tokens))
+    cache.store(NS, tokens, fill_for(tokens))
     store.flush()
-    keys = [span.key for span in store.spans(NS, tokens)]
+    keys = [span.key for span in cache.spans(NS, tokens)]
     events = store.take_events()
     assert sorted((e.kind, e.tier, e.medium, e.key) for e in events) == sorted(
         [("stored", "memory", Medium.MEMORY, k) for k in keys] + [("stored", "disk", Medium.DISK, k) for k in keys])

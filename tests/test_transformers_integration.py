@@ -147,7 +147,7 @@ def test_the_exactness_check_fails_on_wrong_kv(tiny_hf_model, cached, store, tex
     doc, tail_a, _ = texts
     prompt = doc[:600] + tail_a[:100]
     cached.prefill(prompt)
-    keys = [span.key for span in store.lookup(cached.namespace, prompt).spans]
+    keys = [span.key for span in cached.cache.lookup(cached.namespace, prompt).spans]
     objects = read_objects(store, keys)
     if damage is not None:
         objects[keys[0]] = damaged(objects[keys[0]], DAMAGES[damage], hf_pages)
