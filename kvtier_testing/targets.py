@@ -17,7 +17,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-_OPS = {">=": lambda value, bar: value >= bar, "<=": lambda value, bar: value <= bar,
+def _close(value, bar) -> bool:
+    """Equal up to float rounding: 0.98 - 1.0 is -0.02 for a bar of -0.02, not -0.0200...02."""
+    return isinstance(value, float) and isinstance(bar, float) and math.isclose(value, bar, rel_tol=1e-9, abs_tol=1e-12)
+
+
+_OPS = {">=": lambda value, bar: value >= bar or _close(value, bar),
+        "<=": lambda value, bar: value <= bar or _close(value, bar),
         "==": lambda value, bar: value == bar}
 
 

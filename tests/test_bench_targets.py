@@ -19,6 +19,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.mark.parametrize(("target", "value", "met"), [
     (Target(">=", 0.8), 0.8, True),
     (Target(">=", 0.8), 0.79, False),
+    (Target(">=", -0.02), 0.98 - 1.0, True),  # -0.020000000000000018: on the bar, up to float rounding
+    (Target(">=", -0.02), 0.975 - 1.0, False),
     (Target("<=", 200), 201, False),
     (Target("==", 0), 0, True),
     (Target("==", 0), 3, False),
