@@ -125,16 +125,17 @@ def prefix_keys(
         if chunk_size % block_size:
             raise ConfigError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
     data = canonical_tokens(tokens)
+    raw = memoryview(np.ascontiguousarray(data).view(np.uint8))
     spans, partials = [], []
     previous = namespace.root
     for start in range(0, len(data), chunk_size):
         end = min(start + chunk_size, len(data))
-        ends = [*range(start + block_size, end, block_size)] if block_size else []
-        keys = chain_keys(previous, data[start:end], [e - start for e in ends] + [end - start])
-        _chunk_hashes += 1
+        ends = range(block_size, end - start, block_size) if block_size else ()
+        keys = chain_keys(previous, raw[4 * start : 4 * end], ends)
         previous = keys[-1]
         spans.append(ChunkSpan(previous, start, end))
-        partials.append([ChunkSpan(k, start, e) for k, e in zip(reversed(keys[:-1]), reversed(ends))])
+        partials.append([ChunkSpan(k, start, start + e) for k, e in zip(keys[-2::-1], reversed(ends))] if ends else [])
+    _chunk_hashes += len(spans)
     return PrefixKeys(spans, partials)
 
 
@@ -158,18 +159,22 @@ def _check_size(name: str, value) -> None:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
-def chain_keys(previous: bytes, chunk: np.ndarray, ends: Sequence[int]) -> list[bytes]:
-    """The keys of ``chunk[:e]`` (canonical tokens) for each of the ascending ``ends``, after the
-    chunk keyed ``previous`` (the namespace root before the first chunk), in one pass over the
-    tokens: each key names its whole prefix."""
+def chain_keys(previous: bytes, chunk: memoryview, ends: Sequence[int] = ()) -> list[bytes]:
+    """The keys of the prefixes of ``chunk`` (canonical token bytes, 4 per token) that end at
+    each of the ascending token counts ``ends``, then of the whole chunk, after the chunk keyed
+    ``previous`` (the namespace root before the first chunk), in one pass over the tokens: each
+    key names its whole prefix."""
     h = blake3.blake3(previous)
     keys, done = [], 0
     for end in ends:
-        h.update(chunk[done:end].view(np.uint8))
+        h.update(chunk[4 * done : 4 * end])
         done = end
         final = h.copy()
         final.update(_LENGTH.pack(end))
         keys.append(final.digest(KEY_SIZE))
+    h.update(chunk[4 * done :])
+    h.update(_LENGTH.pack(len(chunk) // 4))
+    keys.append(h.digest(KEY_SIZE))
     return keys
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace, canonical_tokens, chunk_spans
+from kvtier.keys import Namespace, canonical_tokens, chunk_hashes, chunk_spans, prefix_keys
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=64, dtype="float32", block_size=16)
@@ -105,3 +105,19 @@ def test_bad_chunk_size_is_refused(size):
 def test_bad_layout_is_refused(fields):
     with pytest.raises(ConfigError):
         dataclasses.replace(LAYOUT, **fields)
+
+
+def test_one_pass_gives_every_chunk_and_partial_chunk_key_and_hashes_each_chunk_once():
+    before = chunk_hashes()
+    keys = prefix_keys(NS, TOKENS, 256, block_size=64)  # 700 tokens: 2 chunks and a tail of 188
+    assert chunk_hashes() - before == 3
+    assert keys.spans == chunk_spans(NS, TOKENS, 256)
+    assert [[(p.start, p.end) for p in group] for group in keys.partials] == [
+        [(0, 192), (0, 128), (0, 64)], [(256, 448), (256, 384), (256, 320)], [(512, 640), (512, 576)]]
+    for group in keys.partials:  # a partial chunk's key is the key of that shorter prompt's last chunk
+        assert all(p.key == chunk_spans(NS, TOKENS[: p.end], 256)[-1].key for p in group)
+
+
+def test_block_size_must_divide_the_chunk_size():
+    with pytest.raises(ConfigError, match="not a multiple"):
+        prefix_keys(NS, TOKENS, 256, block_size=96)
