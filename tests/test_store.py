@@ -161,6 +161,24 @@ def test_writes_reach_disk_and_disk_hits_are_promoted(tmp_path):
     store.close()
 
 
+def test_retrieve_from_a_start_reads_and_promotes_only_the_chunks_after_it(tmp_path):
+    """What an engine holds already (here the first two chunks) is not fetched, pinned or
+    promoted again: the retrieve starts at the first chunk that ends after ``start``."""
+    store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
+    cache = TokenCache(store)
+    tokens = np.arange(64)
+    cache.store(NS, tokens, fill_for(tokens))
+    store.flush()
+    store.l1.clear()
+    with cache.retrieve(NS, tokens, start=40) as r:
+        assert [(c.span.start, c.span.end) for c in r.chunks] == [(32, 48), (48, 64)]
+        got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
+    np.testing.assert_array_equal(got, kv_of(tokens[32:]))
+    assert store.stats.promotions == 2
+    assert cache.lookup(NS, tokens).tiers == ["disk", "disk", "memory", "memory"]
+    store.close()
+
+
 def test_restart_keeps_disk_hits(tmp_path):
     tokens = np.arange(40)
     first = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])

@@ -35,7 +35,7 @@ from kvtier.blend.forward import BlendForward
 from kvtier.blend.rope import rotary_for_model
 from kvtier.blend.segments import SegmentStore, stack_cache
 from kvtier.errors import ConfigError
-from kvtier.integrations.transformers import _as_token_list, _new_cache, layout_for_model, namespace_for_model
+from kvtier.integrations.transformers import token_list, new_cache, layout_for_model, namespace_for_model
 from kvtier.keys import Namespace
 from kvtier.keystore import KeyStore
 
@@ -140,7 +140,7 @@ class BlendedModel:
             check_layer=self.config.check_layer if check_layer is None else check_layer,
             recompute_ratio=self.config.recompute_ratio if recompute_ratio is None else recompute_ratio,
         )
-        segments = [_as_token_list(segment) for segment in segments]
+        segments = [token_list(segment) for segment in segments]
         if not segments or not all(segments):
             raise ValueError("segments must be a non-empty list of non-empty token sequences")
         device = self.device
@@ -207,7 +207,7 @@ class BlendedModel:
         """Store the KV of a segment that was missing (or partly cached), made in isolation."""
         if start == 0 and have == 0:  # at position 0 the prompt's KV of it is the isolated KV
             return self.segments.save(segment, kv[:, :, :, : len(segment)])
-        cache = _new_cache(self.model)
+        cache = new_cache(self.model)
         if have:  # the cached part, at its canonical positions, as the prefix of the isolated run
             cached = self.segments.load(segment, self.device)
             if cached is None or cached.num_tokens != have:
@@ -225,7 +225,7 @@ class BlendedModel:
         return self.segments.save(segment, stack_cache(cache, self.forward.num_layers), start=have)
 
     def _dynamic_cache(self, kv: torch.Tensor) -> Any:
-        cache = _new_cache(self.model)
+        cache = new_cache(self.model)
         for layer in range(self.forward.num_layers):
             cache.update(kv[layer, 0][None], kv[layer, 1][None], layer)
         return cache

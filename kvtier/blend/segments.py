@@ -146,7 +146,7 @@ class SegmentStore:
 
 def stack_cache(cache: Any, num_layers: int) -> torch.Tensor:
     """A transformers cache's KV as one [layers, 2, kv_heads, tokens, head_dim] tensor (batch 1)."""
-    from kvtier.integrations.transformers import _layer_kv
+    from kvtier.integrations.transformers import layer_kv
 
-    layers = [_layer_kv(cache, layer) for layer in range(num_layers)]
+    layers = [layer_kv(cache, layer) for layer in range(num_layers)]
     return torch.stack([torch.stack((k[0], v[0])) for k, v in layers])

@@ -40,8 +40,11 @@ __all__ = [
     "GenerationResult",
     "PrefillResult",
     "PrefixCachedModel",
+    "layer_kv",
     "layout_for_model",
     "namespace_for_model",
+    "new_cache",
+    "token_list",
 ]
 
 
@@ -95,7 +98,8 @@ def _check_supported(model: Any) -> None:
         raise ConfigError("encoder-decoder models are not supported")
 
 
-def _as_token_list(input_ids: Any) -> list[int]:
+def token_list(input_ids: Any) -> list[int]:
+    """A prompt (a list, or a tensor of batch size 1) as a list of token ids."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
@@ -110,14 +114,15 @@ def _as_token_list(input_ids: Any) -> list[int]:
     return [int(t) for t in array.tolist()]
 
 
-def _layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of one layer, [batch, kv_heads, tokens, head_dim], across cache APIs."""
     if hasattr(cache, "layers"):  # transformers >= 4.56
         return cache.layers[layer].keys, cache.layers[layer].values
     return cache.key_cache[layer], cache.value_cache[layer]  # older DynamicCache
 
 
-def _new_cache(model: Any) -> Any:
+def new_cache(model: Any) -> Any:
+    """An empty transformers KV cache for ``model``."""
     from transformers import DynamicCache
 
     try:
@@ -196,12 +201,12 @@ class PrefixCachedModel:
         ``reuse=False`` recomputes everything (a cold run); ``store=False`` leaves the store as
         it is. ``all_logits`` returns the logits of every computed token instead of the last.
         """
-        tokens = _as_token_list(input_ids)
+        tokens = token_list(input_ids)
         if not tokens:
             raise ValueError("input_ids is empty")
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        cache = _new_cache(self.model)
+        cache = new_cache(self.model)
         reused = self._load_prefix(tokens, cache) if reuse else 0
         timings["retrieve"] = time.perf_counter() - t0
 
@@ -254,7 +259,7 @@ class PrefixCachedModel:
         the KV of at least ``len(tokens)`` tokens)."""
         layout = self.layout
         L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_size
-        layers = [_layer_kv(cache, layer) for layer in range(L)]
+        layers = [layer_kv(cache, layer) for layer in range(L)]
         if layers[0][0].shape[-2] < len(tokens):
             raise ValueError(f"cache holds {layers[0][0].shape[-2]} tokens, fewer than the {len(tokens)} to store")
 
@@ -283,7 +288,7 @@ class PrefixCachedModel:
         """Greedy decoding after a cached prefill. ``store_generated`` also stores the KV of the
         generated tokens (prompt + output), so that a follow-up turn reuses them."""
         start = time.perf_counter()
-        tokens = _as_token_list(input_ids)
+        tokens = token_list(input_ids)
         prefill = self.prefill(tokens, reuse=reuse, store=store)
         next_token = int(prefill.next_token_logits.argmax())
         ttft = time.perf_counter() - start
