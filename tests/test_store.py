@@ -144,14 +144,20 @@ from kvtier.tiers.base import Tier  # noqa: E402
 from kvtier.tiers.disk import DiskTier  # noqa: E402
 
 
-def test_writes_reach_disk_and_disk_hits_are_promoted(tmp_path):
+def only_on_disk(tmp_path, tokens):
+    """A store over a disk tier that holds the chunks of ``tokens``, its L1 emptied."""
     store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
     cache = TokenCache(store)
-    tokens = np.arange(40)
     cache.store(NS, tokens, fill_for(tokens))
     store.flush()
-    assert store.lower[0].usage().objects == 3
     store.l1.clear()
+    return store, cache
+
+
+def test_writes_reach_disk_and_disk_hits_are_promoted(tmp_path):
+    tokens = np.arange(40)
+    store, cache = only_on_disk(tmp_path, tokens)
+    assert store.lower[0].usage().objects == 3
     assert cache.lookup(NS, tokens).tiers == ["disk", "disk", "disk"]
     with cache.retrieve(NS, tokens) as r:
         got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
@@ -164,12 +170,8 @@ def test_writes_reach_disk_and_disk_hits_are_promoted(tmp_path):
 def test_retrieve_from_a_start_reads_and_promotes_only_the_chunks_after_it(tmp_path):
     """What an engine holds already (here the first two chunks) is not fetched, pinned or
     promoted again: the retrieve starts at the first chunk that ends after ``start``."""
-    store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
-    cache = TokenCache(store)
     tokens = np.arange(64)
-    cache.store(NS, tokens, fill_for(tokens))
-    store.flush()
-    store.l1.clear()
+    store, cache = only_on_disk(tmp_path, tokens)
     with cache.retrieve(NS, tokens, start=40) as r:
         assert [(c.span.start, c.span.end) for c in r.chunks] == [(32, 48), (48, 64)]
         got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
@@ -194,12 +196,8 @@ def test_restart_keeps_disk_hits(tmp_path):
 
 
 def test_corrupt_disk_object_is_a_miss_not_wrong_kv(tmp_path):
-    store = make_store(lower=[DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)])
-    cache = TokenCache(store)
     tokens = np.arange(40)
-    cache.store(NS, tokens, fill_for(tokens))
-    store.flush()
-    store.l1.clear()
+    store, cache = only_on_disk(tmp_path, tokens)
     victim = tmp_path / "l2" / f"{cache.spans(NS, tokens)[1].key.hex()}.kv"
     data = bytearray(victim.read_bytes())
     data[-5] ^= 0xFF
