@@ -163,6 +163,14 @@ def test_specific_bad_requests_are_named(raw_socket):
     assert ask(raw_socket, [many]).code == "bad-request"
     stale = ask(raw_socket, [p.encode(p.Retrieve(keys=[key], arena=b"12345678"))])
     assert stale.code == "stale-arena"
+    for bad, why in [
+        (p.Lookup(keys=[key], ends=[16, 32]), "differ in length"),
+        (p.Lookup(keys=[key, key], ends=[32, 16]), "must not decrease"),
+        (p.Lookup(keys=[key], partials=[key], partial_at=[2]), "past the 1 keys"),
+        (p.Lookup(keys=[key], partials=[key]), "differ in length"),
+    ]:
+        reply = ask(raw_socket, [p.encode(bad)])
+        assert isinstance(reply, p.Error) and reply.code == "bad-request" and why in reply.message, (bad, reply)
 
 
 def test_lease_of_a_client_that_died_expires():
