@@ -15,13 +15,14 @@ from kvtier.errors import ConfigError
 
 
 def _server(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from kvtier.config import server_config_from_args
+    from kvtier.config import ServerConfig
+    from kvtier.schema import from_args
 
     try:
-        config = server_config_from_args(args, os.environ)
+        config = from_args(ServerConfig, args, os.environ)
     except ConfigError as exc:
         parser.error(str(exc))  # exits with status 2
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvtier").info("effective config: %s", json.dumps(config.redacted(), sort_keys=True))
     from kvtier.server.main import run
 
@@ -129,12 +130,13 @@ def _clear(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvtier.config import add_server_flags
+    from kvtier.config import ServerConfig
+    from kvtier.schema import add_flags
 
     parser = argparse.ArgumentParser(prog="kvtier", description="A tiered KV-cache layer for LLM inference.")
     commands = parser.add_subparsers(dest="command", required=True)
     server = commands.add_parser("server", help="run the cache server for the engines of this host")
-    add_server_flags(server)
+    add_flags(server, ServerConfig)
     status = commands.add_parser("status", help="a server's tiers, usage and counters")
     status.add_argument("--url", default="http://127.0.0.1:8080", help="the server's HTTP address")
     kvcache = commands.add_parser("kvcache", help="act on a server's cache").add_subparsers(dest="action", required=True)

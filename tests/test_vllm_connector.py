@@ -106,7 +106,7 @@ def test_connector_config_modes():
     embedded = parse_extra_config({"kvtier.chunk_size": 512, "kvtier.l1_size_gb": 0.5,
                                    "kvtier.l2_adapters": [{"type": "fs", "base_path": "/tmp/kv", "max_capacity_gb": 1}]})
     assert not embedded.server_mode
-    assert embedded.store_config().chunk_size == 512 and embedded.store_config().l2_adapters[0].base_path == "/tmp/kv"
+    assert embedded.store.chunk_size == 512 and embedded.store.l2_adapters[0].base_path == "/tmp/kv"
 
 
 def test_connector_keeps_numba_out_of_vllm_processes():

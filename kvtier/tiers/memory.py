@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Annotated, Sequence
 
 import msgspec
 
@@ -27,10 +27,15 @@ from kvtier.tiers.eviction import make_policy
 class L1Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """The memory tier every store has (L1)."""
 
-    size_gb: PositiveGB
-    eviction_policy: EvictionPolicyName = "LRU"
-    eviction_trigger_watermark: Fraction = 0.8
-    eviction_ratio: NonNegativeFraction = 0.2
+    size_gb: Annotated[PositiveGB, msgspec.Meta(description="L1 memory in GiB, preallocated and touched at start")]
+    eviction_policy: Annotated[EvictionPolicyName, msgspec.Meta(
+        description="which object L1 evicts first", extra={"aliases": ["--eviction-policy"]})] = "LRU"
+    eviction_trigger_watermark: Annotated[Fraction, msgspec.Meta(
+        description="a put that would take L1 past this share of its capacity evicts first",
+        extra={"aliases": ["--eviction-trigger-watermark"]})] = 0.8
+    eviction_ratio: Annotated[NonNegativeFraction, msgspec.Meta(
+        description="and evicts this share of the capacity beyond what the put needs",
+        extra={"aliases": ["--eviction-ratio"]})] = 0.2
 
     def build(self, buffer=None) -> MemoryTier:
         """``buffer``: the arena's memory (shared memory in a server); anonymous by default."""

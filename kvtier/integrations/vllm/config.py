@@ -19,9 +19,8 @@ import msgspec
 
 from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
-from kvtier.schema import EvictionPolicyName, PositiveGB, PositiveSeconds, convert
+from kvtier.schema import PositiveSeconds, convert_options, options
 from kvtier.tiers.memory import L1Config
-from kvtier.tiers.registry import Adapter
 
 PREFIX = "kvtier."
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -36,10 +35,11 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     shared_memory: bool = True
     """Move KV through the server's shared-memory arena when this host can map it."""
     # -- embedded mode
-    chunk_size: Annotated[int, msgspec.Meta(ge=1)] = 256
-    l1_size_gb: PositiveGB = 1.0
-    l1_eviction_policy: EvictionPolicyName = "LRU"
-    l2_adapters: list[Adapter] = []
+    store: Annotated[StoreConfig, msgspec.Meta(extra={"prefix": ""})] = msgspec.field(
+        default_factory=lambda: StoreConfig(l1=L1Config(size_gb=1.0))
+    )
+    """The embedded store, its fields flattened into keys as ``kvtier server`` flags are
+    (``kvtier.chunk_size``, ``kvtier.l1_size_gb``, ``kvtier.l1_eviction_ratio``, ``kvtier.l2_adapters``)."""
     # -- both
     role: KVRole = "kv_both"
     """vLLM's ``kv_role`` (not a ``kvtier.*`` key): ``kv_producer`` stores and never loads (a
@@ -67,17 +67,10 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def save(self) -> bool:
         return self.role != "kv_consumer"
 
-    def store_config(self) -> StoreConfig:
-        """The embedded store's config."""
-        return StoreConfig(
-            l1=L1Config(size_gb=self.l1_size_gb, eviction_policy=self.l1_eviction_policy),
-            chunk_size=self.chunk_size,
-            l2_adapters=list(self.l2_adapters),
-        )
 
 
-_FIELDS = set(ConnectorConfig.__struct_fields__) - {"role"}
-_EMBEDDED_ONLY = {"chunk_size", "l1_size_gb", "l1_eviction_policy", "l2_adapters"}
+#: the ``kvtier.*`` keys (all but ``role``, which is vLLM's ``kv_role``)
+_KEYS = {option.key: option for option in options(ConnectorConfig) if option.key != "role"}
 _SERVER_ONLY = {"timeout_s", "shared_memory"}
 
 
@@ -90,17 +83,19 @@ def parse_extra_config(extra: dict[str, Any] | None, role: str | None = "kv_both
     if unprefixed:
         raise ConfigError(f"kv_connector_extra_config keys must start with {PREFIX!r}; got {unprefixed}")
     data = {key[len(PREFIX):]: value for key, value in extra.items()}
-    unknown = sorted(PREFIX + k for k in data if k not in _FIELDS)
+    unknown = sorted(PREFIX + k for k in data if k not in _KEYS)
     if unknown:
-        known = ", ".join(sorted(PREFIX + k for k in _FIELDS))
+        known = ", ".join(sorted(PREFIX + k for k in _KEYS))
         raise ConfigError(f"unknown kvtier connector keys {unknown}; known keys: {known}")
     server = data.get("url") is not None
-    misplaced = sorted(PREFIX + k for k in data if k in (_EMBEDDED_ONLY if server else _SERVER_ONLY))
+    embedded_only = {key for key, option in _KEYS.items() if option.path[0] == "store"}
+    misplaced = sorted(PREFIX + k for k in data if k in (embedded_only if server else _SERVER_ONLY))
     if misplaced:
         why = ("the server owns the tiers and the chunk size (set them with `kvtier server` flags)"
                if server else f"they only apply in server mode ({PREFIX}url)")
         raise ConfigError(f"{misplaced} cannot be used here: {why}")
+    values = {_KEYS[key].path: value for key, value in data.items()}
     try:
-        return convert({**data, "role": role}, ConnectorConfig)
+        return convert_options(ConnectorConfig, {**values, ("role",): role}, lambda option: PREFIX + option.key)
     except ConfigError as exc:
-        raise ConfigError(f"kvtier connector config: {str(exc).replace('$.', PREFIX)}") from None
+        raise ConfigError(f"kvtier connector config: {exc}") from None

@@ -30,14 +30,14 @@ def open_cache(config: ConnectorConfig) -> TokenCache:
         return TokenCache(KvtierClient(config.url, timeout_s=config.timeout_s, use_shared_memory=config.shared_memory))
     from kvtier.build import build_store
 
-    key = msgspec.json.encode(config.store_config())
+    key = msgspec.json.encode(config.store)
     with _shared_lock:
         entry = _shared_stores.get(key)
         if entry is None:
             if _shared_stores:
                 raise ConfigError("another kvtier embedded store with a different config is open in this process")
             log.info("kvtier embedded store: %s", key.decode())
-            entry = _shared_stores[key] = [build_store(config.store_config()), 0]
+            entry = _shared_stores[key] = [build_store(config.store), 0]
         entry[1] += 1
         return TokenCache(entry[0])
 
