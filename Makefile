@@ -2,7 +2,7 @@
 # Both create .venv from scratch the first time, from requirements.lock (every package pinned,
 # with hashes). `make lock` rewrites the lock from pyproject.toml's [dev] extra, keeping the pins
 # it already has unless told otherwise (UV_ARGS="--upgrade-package NAME"); uv looks for the CPU torch
-where pip does (PIP_FIND_LINKS), or in UV_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
+# where pip does (PIP_FIND_LINKS), or in UV_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
