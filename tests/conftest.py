@@ -41,6 +41,19 @@ def tiny_hf_model(tiny_model_path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
 
 
+# -- tiers ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def disk_tier(tmp_path):
+    """A disk tier of 1 MiB in a fresh directory, closed after the test."""
+    from kvtier.tiers.disk import DiskTier
+
+    tier = DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)
+    yield tier
+    tier.close()
+
+
 # -- real remote stores (kvtier_testing/servers.py) ----------------------------------------------------
 
 

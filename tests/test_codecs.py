@@ -11,7 +11,6 @@ from kvtier.layout import KVLayout
 from kvtier.objects import HEADER_SIZE, build_object, check_object, decode_payload, read_header
 from kvtier.store import TieredStore
 from kvtier.tiers.codec import CodecTier
-from kvtier.tiers.disk import DiskTier
 from kvtier.build import build_tier
 from kvtier.tiers.memory import MemoryTier
 
@@ -119,10 +118,8 @@ def test_a_payload_of_the_wrong_size_is_an_object_error(name):
 
 
 @pytest.fixture
-def disk(tmp_path):
-    tier = DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 24)
-    yield tier
-    tier.close()
+def disk(disk_tier):
+    return disk_tier
 
 
 def test_codec_tier_stores_encoded_and_reads_back_decodable(disk):

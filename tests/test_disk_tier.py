@@ -32,11 +32,8 @@ def check_capacity(t: DiskTier, capacity: int) -> None:
 
 
 @pytest.fixture
-def tier(tmp_path):
-    t = DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)
-    yield t
-    t.close()
-
+def tier(disk_tier):
+    return disk_tier
 
 
 def test_put_of_a_stored_object_keeps_the_file(tier):

@@ -223,23 +223,6 @@ def test_adapter_config_builds_the_tier(redis_server):
     tier.close()
 
 
-@pytest.mark.parametrize(
-    "adapter, message",
-    [
-        ('{"type": "redis", "url": "redis://:secret@127.0.0.1:6379"}', "password_env"),
-        ('{"type": "redis", "url": "http://127.0.0.1:6379"}', "redis:// or rediss://"),
-        ('{"type": "redis", "url": "redis://h", "ssl_ca_certs": "/ca.pem"}', "rediss://"),
-        ('{"type": "redis", "url": "redis://h/3", "cluster": true}', "database 0"),
-        ('{"type": "redis", "url": "redis://h", "ttl_s": 0}', "ttl_s"),
-        ('{"type": "redis", "url": "redis://h", "codec": "lz9"}', "unknown codec"),
-        ('{"type": "redis", "url": "redis://h", "port": 1}', "port"),
-    ],
-)
-def test_bad_redis_adapters_are_config_errors(adapter, message):
-    with pytest.raises(ConfigError, match=message):
-        parse_adapter(adapter)
-
-
 def test_password_comes_from_the_named_environment_variable(monkeypatch):
     config = parse_adapter('{"type": "redis", "url": "redis://127.0.0.1:1", "password_env": "KVTIER_TEST_PW"}')
     monkeypatch.delenv("KVTIER_TEST_PW", raising=False)

@@ -64,3 +64,26 @@ def test_a_tier_that_fails_to_build_releases_the_ones_built_before(tmp_path):
     with pytest.raises(ConfigError, match="in use by another DiskTier"):
         build_store(config)
     build_store(config.__class__(l1=config.l1, l2_adapters=config.l2_adapters[:1])).close()  # lock released
+
+
+@pytest.mark.parametrize(
+    "adapter, message",
+    [
+        ('{"type": "redis", "url": "redis://:secret@127.0.0.1:6379"}', "password_env"),
+        ('{"type": "redis", "url": "http://127.0.0.1:6379"}', "redis:// or rediss://"),
+        ('{"type": "redis", "url": "redis://h", "ssl_ca_certs": "/ca.pem"}', "rediss://"),
+        ('{"type": "redis", "url": "redis://h/3", "cluster": true}', "database 0"),
+        ('{"type": "redis", "url": "redis://h", "ttl_s": 0}', "ttl_s"),
+        ('{"type": "redis", "url": "redis://h", "codec": "lz9"}', "unknown codec"),
+        ('{"type": "redis", "url": "redis://h", "port": 1}', "port"),
+        ('{"type": "s3", "bucket": "b"}', "length"),
+        ('{"type": "s3", "bucket": "kv-bucket", "endpoint_url": "ftp://h"}', "http"),
+        ('{"type": "s3", "bucket": "kv-bucket", "endpoint_url": "http://ak:sk@h"}', "credentials"),
+        ('{"type": "s3", "bucket": "kv-bucket", "aws_secret_access_key": "x"}', "aws_secret_access_key"),
+        ('{"type": "s3", "bucket": "kv-bucket", "multipart_threshold_mb": 1}', "multipart_threshold_mb"),
+        ('{"type": "fs", "base_path": ""}', "length"),
+    ],
+)
+def test_bad_adapters_are_config_errors(adapter, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_adapter(adapter)
