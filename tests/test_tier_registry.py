@@ -87,3 +87,38 @@ def test_a_tier_that_fails_to_build_releases_the_ones_built_before(tmp_path):
 def test_bad_adapters_are_config_errors(adapter, message):
     with pytest.raises(ConfigError, match=message):
         parse_adapter(adapter)
+
+
+WITHOUT_REMOTE_EXTRA = """
+import sys
+for name in ("boto3", "botocore", "redis"):
+    sys.modules[name] = None  # as in a base install, without the [remote] extra
+from kvtier.build import build_store
+from kvtier.config import StoreConfig, parse_adapter
+from kvtier.errors import ConfigError
+from kvtier.schema import convert
+def config(adapter):
+    return convert({"l1": {"size_gb": 0.01}, "l2_adapters": [parse_adapter(adapter)]}, StoreConfig)
+store = build_store(config(sys.argv[1]))
+print("built", [tier.name for tier in store.tiers])
+store.close()
+for adapter in ('{"type":"s3","bucket":"abc"}', '{"type":"redis","url":"redis://127.0.0.1:1"}'):
+    try:
+        build_store(config(adapter))
+    except ConfigError as exc:
+        print("refused", exc)
+"""
+
+
+def test_a_base_install_builds_local_tiers_and_names_the_extra_for_remote_ones(tmp_path):
+    """Without redis-py and boto3 every adapter type still parses, local tiers build, and a
+    remote tier is a ConfigError that says which extra to install (not an ImportError at start)."""
+    import subprocess
+    import sys
+
+    fs = f'{{"type":"fs","base_path":"{tmp_path}","max_capacity_gb":0.01}}'
+    run = subprocess.run([sys.executable, "-c", WITHOUT_REMOTE_EXTRA, fs], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "built ['memory', 'disk']"
+    assert len(lines) == 3 and all(line.startswith("refused") and "kvtier[remote]" in line for line in lines[1:]), lines

@@ -26,13 +26,11 @@ from typing import Annotated, Callable, ClassVar, Sequence
 import msgspec
 
 from kvtier.codecs import codec_by_name
-from kvtier.errors import ObjectError
+from kvtier.errors import ConfigError, ObjectError
 from kvtier.events import CacheEvent, EventLog, Medium
 from kvtier.objects import ObjectHeader, check_object
 
 logger = logging.getLogger(__name__)
-
-from kvtier.events import CacheEvent, EventLog
 
 
 @dataclass
@@ -180,6 +178,13 @@ class Tier(ABC):
 
 
 TierName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.]{1,32}$")]
+
+
+def require_client(missing: ImportError | None, medium: str) -> None:
+    """A clear ConfigError where a remote medium's client library did not import: a base install
+    parses every adapter type, and only building a remote tier needs the ``[remote]`` extra."""
+    if missing is not None:
+        raise ConfigError(f"the {medium} tier needs the [remote] extra: pip install 'kvtier[remote]' ({missing})")
 
 
 class AdapterConfig(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True, kw_only=True):

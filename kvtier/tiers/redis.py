@@ -23,16 +23,22 @@ from typing import Annotated, Any, Callable, Literal, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
-import redis
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.exceptions import RedisError, ResponseError, TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from kvtier.errors import ConfigError
 from kvtier.events import Medium
 from kvtier.schema import PositiveSeconds
-from kvtier.tiers.base import AdapterConfig, TierUsage
+from kvtier.tiers.base import AdapterConfig, TierUsage, require_client
+
+try:  # the [remote] extra: without it a redis adapter still parses, and building it says what to install
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import RedisCluster
+    from redis.exceptions import RedisError, ResponseError, TimeoutError as RedisTimeoutError
+    from redis.retry import Retry
+except ImportError as exc:
+    _client_missing: ImportError | None = exc
+else:
+    _client_missing = None
 from kvtier.tiers.health import INITIAL_BACKOFF_S, MAX_BACKOFF_S, RemoteTier
 
 logger = logging.getLogger(__name__)
@@ -85,6 +91,7 @@ class RedisAdapterConfig(AdapterConfig, tag="redis"):
             raise ConfigError("Redis Cluster has only database 0; drop the database from the url")
 
     def build(self, name: str) -> RedisTier:
+        require_client(_client_missing, "redis")
         password = None
         if self.password_env is not None:
             password = os.environ.get(self.password_env)

@@ -27,21 +27,26 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Callable, Literal, Sequence
 from urllib.parse import urlsplit
 
-import boto3
-from boto3.exceptions import Boto3Error
-from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ParamValidationError, ReadTimeoutError
-
 import msgspec
 
 from kvtier.errors import ConfigError
 from kvtier.events import Medium
 from kvtier.schema import GB, PositiveGB, PositiveSeconds
-from kvtier.tiers.base import AdapterConfig, TierUsage
+from kvtier.tiers.base import AdapterConfig, TierUsage, require_client
 from kvtier.tiers.capacity import CapacityBook
 from kvtier.tiers.eviction import LRU
 from kvtier.tiers.health import INITIAL_BACKOFF_S, MAX_BACKOFF_S, RemoteTier
+
+try:  # the [remote] extra: without it an s3 adapter still parses, and building it says what to install
+    import boto3
+    from boto3.exceptions import Boto3Error
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, ParamValidationError, ReadTimeoutError
+except ImportError as exc:
+    _client_missing: ImportError | None = exc
+else:
+    _client_missing = None
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +94,7 @@ class S3AdapterConfig(AdapterConfig, tag="s3"):
             raise ConfigError("s3 endpoint_url must not hold credentials; use the AWS environment or config files")
 
     def build(self, name: str) -> S3Tier:
+        require_client(_client_missing, "s3")
         return S3Tier(
             self.bucket,
             prefix=self.prefix,
