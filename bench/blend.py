@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 
@@ -40,7 +39,7 @@ from kvtier.tiers.memory import MemoryTier
 from kvtier_testing.blend.quality import evaluate, load_task_model
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.plotting import add_plot_flag, lines
-from kvtier_testing.targets import Target, add_check_flag, exit_code, report
+from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import best_of_interleaved
 from kvtier_testing.tiny_model import build_tiny_model, sample_question, sample_text
 
@@ -269,9 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     met = report({**result, "acc_blend_15_vs_full": q[0.15] - q["full"], "acc_blend_15_vs_naive": q[0.15] - q[0.0]},
                  TARGETS)
-    result["targets_met"] = met
-    print(json.dumps(result, sort_keys=True))
-    return exit_code(args.check, met)
+    return finish(result, met, args.check)
 
 
 if __name__ == "__main__":

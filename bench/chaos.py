@@ -31,7 +31,7 @@ from kvtier.errors import ObjectError
 from kvtier.objects import check_object
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.plotting import add_plot_flag, over_time
-from kvtier_testing.targets import Target, add_check_flag, exit_code, report
+from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import Timeline
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
@@ -254,9 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                  title=f"Chaos: {args.clients} clients while the server is killed {kills} times and restarted")
     met = report({**summary, "clients_unfinished": args.clients - len(counts), "kills_missed": kills_wanted - kills},
                  TARGETS)
-    summary["targets_met"] = met
-    print(json.dumps(summary))
-    return exit_code(args.check, met)
+    return finish(summary, met, args.check)
 
 
 if __name__ == "__main__":

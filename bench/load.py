@@ -20,7 +20,7 @@ from chaos import client_worker, collect, plot_run, rss_mb
 
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.plotting import add_plot_flag
-from kvtier_testing.targets import Target, add_check_flag, exit_code, report
+from kvtier_testing.targets import Target, add_check_flag, finish, report
 
 L1_GB = 0.001  # about 250 of the workload's 4 KiB chunks: the prompt pool needs about 700
 L2_GB = 0.0008  # smaller still: the disk tier must evict too
@@ -99,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                  "for a working set of about 3 MiB")
     met = report({**summary, "clients_unfinished": args.clients - len(reports),
                   "tiers_over_capacity_count": len(summary["tiers_over_capacity"])}, TARGETS)
-    summary["targets_met"] = met
-    print(json.dumps(summary))
-    return exit_code(args.check, met)
+    return finish(summary, met, args.check)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from kvtier_testing.services import (
     stop_all,
     vllm_server,
 )
-from kvtier_testing.targets import Target, add_check_flag, exit_code, report
+from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import best_of
 from kvtier_testing.tiny_model import build_tiny_model
 
@@ -274,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(args.plot, transfer)
         met = report(result, TARGETS)
-        result["targets_met"] = met
-        print(json.dumps(result))
-        return exit_code(args.check, met)
+        return finish(result, met, args.check)
     finally:
         stop_all(services or [server])
 

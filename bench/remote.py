@@ -20,7 +20,6 @@ its verdict, and as the last line one JSON object; ``--check`` exits 1 when a ta
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from kvtier.codecs import codec_by_name
 from kvtier.layout import KVLayout
 from kvtier.objects import build_object
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
-from kvtier_testing.targets import Target, add_check_flag, exit_code, report
+from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import GIB, best_of, best_of_interleaved
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16")
@@ -320,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         **effect,
     }
     met = report(summary, TARGETS)
-    print(json.dumps({**{k: round(v, 4) for k, v in summary.items()}, "targets_met": met}))
-    return exit_code(args.check, met)
+    return finish({k: round(v, 4) for k, v in summary.items()}, met, args.check)
 
 
 if __name__ == "__main__":

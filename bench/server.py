@@ -13,7 +13,6 @@ A real `kvtier server` process serves; this process is the engine. Prints a tabl
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.arena import allocate_buffer
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
-from kvtier_testing.targets import Target, add_check_flag, exit_code, report
+from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import GIB, best_of
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
@@ -153,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "lookup_p99_ms": round(p99, 3),
     }
     met = report(summary, TARGETS)
-    summary["targets_met"] = met
-    print(json.dumps(summary))
-    return exit_code(args.check, met)
+    return finish(summary, met, args.check)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ exits 1 when a target is missed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -28,7 +27,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryTier
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
-from kvtier_testing.targets import Target, add_check_flag, exit_code, report
+from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import GIB, best_of_interleaved
 
 GEOMETRIES = {
@@ -214,9 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         comparison_bars(args.plot, groups, title=f"Tier throughput, kvtier vs the plain operation ({mode} L2)",
                         unit="GiB/s")
     met = report(summary, TARGETS)
-    summary["targets_met"] = met
-    print(json.dumps(summary))
-    return exit_code(args.check, met)
+    return finish(summary, met, args.check)
 
 
 if __name__ == "__main__":

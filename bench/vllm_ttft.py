@@ -49,7 +49,7 @@ from pathlib import Path
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
 from kvtier_testing.services import free_port, kvtier_server
-from kvtier_testing.targets import Target, add_check_flag, exit_code, report
+from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.tiny_model import build_tiny_model
 
 BLOCK = 128  # vLLM CPU backend
@@ -319,7 +319,6 @@ def main(argv: list[str] | None = None) -> int:
         print("plot: matplotlib is not installed; no PNG")
 
     summary.update({
-        "targets_met": met,
         "ttft_ms": {
             "A": {label: {"median": med(xs) * 1e3, "p90": _p(ttft(xs), 0.9) * 1e3} for label, xs, _ in rows},
             "B": {label: {"median": med(ys) * 1e3, "p90": _p(ttft(ys), 0.9) * 1e3} for label, _, ys in rows},
@@ -340,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": [load_before, _loadavg()], "cpus": os.cpu_count(),
         "startup_s": round(startup_s, 1), "elapsed_s": round(time.monotonic() - started, 1), "plot": plot,
     })
-    print(json.dumps(summary))
-    return exit_code(args.check, met)
+    return finish(summary, met, args.check)
 
 
 if __name__ == "__main__":

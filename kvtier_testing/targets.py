@@ -12,6 +12,7 @@ exit code instead of reading the table.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -62,6 +63,14 @@ def report(figures: dict[str, Any], targets: dict[str, Target]) -> dict[str, boo
         print(f"  {name:<28}{shown:>10}   target {target.op} {target.bar!s:<6} {'met' if met[name] else 'MISSED'}"
               + (f"   ({target.why})" if target.why else ""))
     return met
+
+
+def finish(summary: dict[str, Any], met: dict[str, bool], check: bool) -> int:
+    """A benchmark's end: its JSON summary (with ``targets_met``) as the last line, and its exit
+    status."""
+    summary["targets_met"] = met
+    print(json.dumps(summary))
+    return exit_code(check, met)
 
 
 def exit_code(check: bool, met: dict[str, bool]) -> int:

@@ -4,6 +4,7 @@ and every benchmark takes ``--check``."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier_testing.targets import Target, add_check_flag, exit_code, report
+from kvtier_testing.targets import Target, add_check_flag, exit_code, finish, report
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -60,3 +61,11 @@ def test_every_benchmark_takes_check(script):
     out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--check" in out.stdout
+
+
+def test_finish_prints_the_summary_with_its_verdicts_last_and_returns_the_status(capsys):
+    met = {"ratio": False}
+    assert finish({"ratio": 0.5}, met, check=True) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert json.loads(last) == {"ratio": 0.5, "targets_met": {"ratio": False}}
+    assert finish({"ratio": 0.5}, {"ratio": True}, check=True) == 0
