@@ -28,7 +28,7 @@ from kvtier.tiers.arena import allocate_buffer
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
 from kvtier_testing.targets import Target, add_check_flag, finish, report
-from kvtier_testing.timing import GIB, best_of
+from kvtier_testing.timing import GIB, best_of_interleaved
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
 NS = Namespace(model="bench-llama-8b", layout=LAYOUT)
@@ -38,8 +38,19 @@ CHUNK = 256
 
 def measure_path(client: TokenCache, chunks: int, repeats: int, payload: np.ndarray, dest: np.ndarray,
                  first_token: int) -> dict[str, float]:
-    """Store and retrieve ``chunks`` chunks as one prompt; a fresh prompt for every store run."""
+    """GiB/s of storing and retrieving ``chunks`` chunks as one prompt (a fresh prompt for every
+    store run), each taken in turn with the memcpy of the same bytes it is compared with, so that
+    a neighbour's burst falls on both alike."""
     size = payload.nbytes
+    plain = np.frombuffer(allocate_buffer(size * chunks), dtype=np.uint8)
+
+    def memcpy_in():
+        for i in range(chunks):
+            np.copyto(plain[i * size : (i + 1) * size], payload)
+
+    def memcpy_out():
+        for i in range(chunks):
+            np.copyto(dest, plain[i * size : (i + 1) * size])
     prompts = iter(np.arange(first_token + i * chunks * CHUNK, first_token + (i + 1) * chunks * CHUNK)
                    for i in range(repeats + 1))
 
@@ -59,10 +70,9 @@ def measure_path(client: TokenCache, chunks: int, repeats: int, payload: np.ndar
             for chunk in r.chunks:
                 np.copyto(dest, np.frombuffer(chunk.payload, dtype=np.uint8))
 
-    store_s = best_of(repeats, store)
-    retrieve_s = best_of(repeats, retrieve)
-    total = chunks * size
-    return {"store": total / store_s / GIB, "retrieve": total / retrieve_s / GIB}
+    seconds = best_of_interleaved(repeats, store=store, memcpy_in=memcpy_in)
+    seconds.update(best_of_interleaved(repeats, retrieve=retrieve, memcpy_out=memcpy_out))
+    return {name: chunks * size / s / GIB for name, s in seconds.items()}
 
 
 def plot(path: str, rows: list[tuple[str, float, float]], chunks: int, p50: float, p99: float) -> None:
@@ -93,18 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     payload = np.frombuffer(allocate_buffer(size), dtype=np.uint8)
     payload[:] = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     dest = np.frombuffer(allocate_buffer(size), dtype=np.uint8)
-    plain = np.frombuffer(allocate_buffer(size * chunks), dtype=np.uint8)
-
-    def memcpy_in():
-        for i in range(chunks):
-            np.copyto(plain[i * size : (i + 1) * size], payload)
-
-    def memcpy_out():
-        for i in range(chunks):
-            np.copyto(dest, plain[i * size : (i + 1) * size])
-
-    memcpy_in_gib = chunks * size / best_of(repeats, memcpy_in) / GIB
-    memcpy_out_gib = chunks * size / best_of(repeats, memcpy_out) / GIB
 
     l1_gb = 2 * (repeats + 2) * chunks * size / GIB + 0.5
     with tempfile.TemporaryDirectory() as workdir:
@@ -132,10 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p50, p99 = (float(np.percentile(latencies, q)) * 1000 for q in (50, 99))
     rows = [
-        ("shm store", shm_result["store"], memcpy_in_gib),
-        ("shm retrieve", shm_result["retrieve"], memcpy_out_gib),
-        ("frames store", frames_result["store"], memcpy_in_gib),
-        ("frames retrieve", frames_result["retrieve"], memcpy_out_gib),
+        (f"{path} {op}", result[op], result[f"memcpy_{direction}"])
+        for path, result in (("shm", shm_result), ("frames", frames_result))
+        for op, direction in (("store", "in"), ("retrieve", "out"))
     ]
     print(f"{'operation (32 MiB objects)':<28} {'kvtier GiB/s':>13} {'memcpy GiB/s':>13} {'ratio':>6}")
     for name, ours, ref in rows:
@@ -144,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(args.plot, rows, chunks, p50, p99)
     summary = {
-        "shm_store_vs_memcpy": round(shm_result["store"] / memcpy_in_gib, 3),
-        "shm_retrieve_vs_memcpy": round(shm_result["retrieve"] / memcpy_out_gib, 3),
+        "shm_store_vs_memcpy": round(shm_result["store"] / shm_result["memcpy_in"], 3),
+        "shm_retrieve_vs_memcpy": round(shm_result["retrieve"] / shm_result["memcpy_out"], 3),
         "frames_store_gib_s": round(frames_result["store"], 3),
         "frames_retrieve_gib_s": round(frames_result["retrieve"], 3),
         "lookup_p50_ms": round(p50, 3),
