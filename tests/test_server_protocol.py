@@ -168,6 +168,8 @@ def test_specific_bad_requests_are_named(raw_socket):
         (p.Lookup(keys=[key, key], ends=[32, 16]), "must not decrease"),
         (p.Lookup(keys=[key], partials=[key], partial_at=[2]), "past the 1 keys"),
         (p.Lookup(keys=[key], partials=[key]), "differ in length"),
+        (p.Lookup(keys=[key], partials=[key], partial_at=[-1], partial_ends=[16]), "Expected `int` >= 0"),
+        (p.Lookup(keys=[key], ends=[-16]), "Expected `int` >= 0"),
     ]:
         reply = ask(raw_socket, [p.encode(bad)])
         assert isinstance(reply, p.Error) and reply.code == "bad-request" and why in reply.message, (bad, reply)

@@ -37,6 +37,8 @@ MAX_OBJECT_BYTES = 1 << 34
 
 Keys = Annotated[list[Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]], msgspec.Meta(max_length=MAX_KEYS)]
 Ids = Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS)]
+#: Token counts and indexes: never negative (a negative index would silently count from the end).
+Positions = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_KEYS)]
 Sizes = Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]], msgspec.Meta(max_length=MAX_KEYS)]
 
 
@@ -61,10 +63,10 @@ class Lookup(_Request, tag="lookup"):
     j, which starts where chunk i does): the token ranges feed the hit-rate metrics."""
 
     keys: Keys = []
-    ends: Ids = []
+    ends: Positions = []
     partials: Keys = []
-    partial_at: Ids = []
-    partial_ends: Ids = []
+    partial_at: Positions = []
+    partial_ends: Positions = []
 
 
 class Reserve(_Request, tag="reserve"):
