@@ -4,6 +4,7 @@ out-of-range values are errors that name the problem."""
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import msgspec
@@ -44,6 +45,17 @@ def parse_adapter(text: str) -> Adapter:
         raise ConfigError(f"adapter of type {str(data['type'])[:20]!r}: {exc}") from None
 
 
+class TokenizerSource(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Where the tokenizer of a model name is (a local folder): ``POST /api/lookup`` with text."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    path: Annotated[str, msgspec.Meta(min_length=1)]
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.path):
+            raise ConfigError(f"tokenizer of {self.model!r}: {self.path!r} is not a folder")
+
+
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 LogLevel = Annotated[str, msgspec.Meta(pattern="(?i)^(debug|info|warning|error|critical)$")]
 
@@ -60,6 +72,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     admin_token: Annotated[str, _meta("token for admin actions such as clear", env="KVTIER_ADMIN_TOKEN")] = ""
     log_level: Annotated[LogLevel, _meta("DEBUG, INFO, WARNING, ERROR or CRITICAL", env="KVTIER_LOG_LEVEL")] = "INFO"
     lease_timeout_s: Annotated[PositiveSeconds, _meta("read leases and reservations expire after this")] = 30.0
+    tokenizers: Annotated[list[TokenizerSource], _meta(
+        'a model\'s tokenizer for /api/lookup with text, repeatable, e.g. \'{"model":"llama","path":"/models/llama"}\'',
+        flag="--tokenizer",
+    )] = []
 
     def redacted(self) -> dict:
         """The config as plain data with secrets masked: what may be logged or shown."""

@@ -15,6 +15,7 @@ simply miss.
 from __future__ import annotations
 
 import array
+import collections.abc
 import functools
 import json
 import struct
@@ -134,9 +135,32 @@ def prefix_keys(
         keys = chain_keys(previous, raw[4 * start : 4 * end], ends)
         previous = keys[-1]
         spans.append(ChunkSpan(previous, start, end))
-        partials.append([ChunkSpan(k, start, start + e) for k, e in zip(keys[-2::-1], reversed(ends))] if ends else [])
+        partials.append(_partial_spans(keys, start, ends))
     _chunk_hashes += len(spans)
     return PrefixKeys(spans, partials)
+
+
+def _partial_spans(keys: list[bytes], start: int, ends: Sequence[int]) -> list[ChunkSpan]:
+    """The partial chunks of ``chain_keys(..., ends)``'s answer for a chunk at ``start``, longest first."""
+    return [ChunkSpan(k, start, start + e) for k, e in zip(keys[-2::-1], reversed(ends))] if ends else []
+
+
+class LazyPartials(collections.abc.Sequence):
+    """``PrefixKeys.partials`` of ``spans``, each chunk's computed when first asked for: a lookup
+    needs those of the one chunk its walk stops at, a 32nd of the hashing of them all."""
+
+    def __init__(self, namespace: Namespace, tokens: np.ndarray, spans: Sequence[ChunkSpan], block_size: int) -> None:
+        self._raw = memoryview(np.ascontiguousarray(tokens).view(np.uint8))
+        self._root, self._spans, self._block = namespace.root, spans, block_size
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        span = self._spans[i]
+        previous = self._spans[i - 1].key if i else self._root
+        ends = range(self._block, span.num_tokens, self._block)
+        return _partial_spans(chain_keys(previous, self._raw[4 * span.start : 4 * span.end], ends), span.start, ends)
 
 
 def chunk_spans(

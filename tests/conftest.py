@@ -54,6 +54,19 @@ def disk_tier(tmp_path):
     tier.close()
 
 
+@pytest.fixture
+def kvtier_server_with_disk(tmp_path):
+    """A real ``kvtier server`` process with a 0.1 GB disk tier under ``tmp_path``, stopped after."""
+    import json
+
+    from kvtier_testing.kvtier_processes import ServerProcess
+
+    proc = ServerProcess(tmp_path, "--l2-adapter", json.dumps({"type": "fs", "base_path": str(tmp_path / "l2"),
+                                                             "max_capacity_gb": 0.1})).start()
+    yield proc
+    proc.stop()
+
+
 # -- real remote stores (kvtier_testing/servers.py) ----------------------------------------------------
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace, canonical_tokens, chunk_hashes, chunk_spans, prefix_keys
+from kvtier.keys import LazyPartials, Namespace, canonical_tokens, chunk_hashes, chunk_spans, prefix_keys
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=64, dtype="float32", block_size=16)
@@ -121,3 +121,10 @@ def test_one_pass_gives_every_chunk_and_partial_chunk_key_and_hashes_each_chunk_
 def test_block_size_must_divide_the_chunk_size():
     with pytest.raises(ConfigError, match="not a multiple"):
         prefix_keys(NS, TOKENS, 256, block_size=96)
+
+
+def test_lazy_partials_are_the_eager_ones():
+    toks = list(range(1000, 1700))  # two full chunks of 256 and a tail of 188
+    eager = prefix_keys(NS, toks, 256, 16)
+    lazy = LazyPartials(NS, canonical_tokens(toks), eager.spans, 16)
+    assert len(lazy) == 3 and [lazy[i] for i in range(3)] == eager.partials

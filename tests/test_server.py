@@ -26,11 +26,8 @@ def engine(action: str, server: ServerProcess, first: int, count: int, *flags: s
 
 
 @pytest.fixture
-def server(tmp_path):
-    proc = ServerProcess(tmp_path, "--l2-adapter", json.dumps({"type": "fs", "base_path": str(tmp_path / "l2"),
-                                                             "max_capacity_gb": 0.1})).start()
-    yield proc
-    proc.stop()
+def server(kvtier_server_with_disk):
+    return kvtier_server_with_disk
 
 
 @pytest.mark.parametrize("path", ["shared-memory", "frames"])

@@ -3,6 +3,9 @@
 Mutating endpoints need the admin token when one is set (``Authorization: Bearer <token>``).
 No endpoint runs code or touches files; the status shows the config with secrets masked.
 ``/dashboard`` is a read-only page (files of ``dashboard/`` in this package) that polls ``/status``.
+``POST /api/lookup`` tells routers how much of a prompt is cached, per tier (``lookup.py``); it
+reads nothing but the key index, and needs the admin token when one is set (it reveals what
+prompts were seen).
 """
 
 from __future__ import annotations
@@ -13,15 +16,19 @@ from importlib import resources
 from typing import Callable
 
 import uvicorn
-from fastapi import FastAPI, Header, HTTPException
+import msgspec
+from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 
 from kvtier import __version__
+from kvtier.server.lookup import MAX_BODY_BYTES, BadLookup, LookupApi
 
 
-def create_app(service, metrics, ready: Callable[[], bool]) -> FastAPI:
+def create_app(service, metrics, ready: Callable[[], bool], lookup: LookupApi | None = None) -> FastAPI:
     app = FastAPI(title="kvtier server", version=__version__)
+    lookup = lookup or LookupApi(service.store, metrics)
 
     @app.get("/healthcheck")
     def healthcheck():
@@ -45,8 +52,35 @@ def create_app(service, metrics, ready: Callable[[], bool]) -> FastAPI:
 
     app.post("/clear-cache")(clear_cache)
     app.post("/api/clear-cache")(clear_cache)
+
+    @app.post("/api/lookup")
+    async def api_lookup(request: Request) -> Response:
+        token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        try:
+            if not service.authorized(token):
+                raise BadLookup(401, "admin token required")
+            body = await _bounded_body(request, MAX_BODY_BYTES)
+            parsed = lookup.parse(body)
+            answer = await run_in_threadpool(lookup.answer, parsed) if lookup.blocks(parsed) else lookup.answer(parsed)
+        except BadLookup as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+        return Response(msgspec.json.encode(answer), media_type="application/json")
     _add_dashboard(app)
     return app
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to be over ``limit`` (never read whole first)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BadLookup(413, f"body over {limit} bytes")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BadLookup(413, f"body over {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
 
 
 _DASHBOARD_ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}

@@ -23,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvtier.config import ServerConfig
 from kvtier.metrics import ServerMetrics
 from kvtier.server.http import HttpServer, create_app
+from kvtier.server.lookup import LookupApi, Tokenizers
 from kvtier.server.service import CacheService
 from kvtier.build import build_store
 from kvtier.wire.shm import SharedArena
@@ -82,7 +83,8 @@ class KvtierServer:
             frontend.setsockopt(zmq.IPV6, 1)
         try:
             frontend.bind(f"tcp://{host}:{self.config.port}")
-            self.http = HttpServer(create_app(self.service, self.metrics, self._ready.is_set),
+            lookup = LookupApi(self.store, self.metrics, Tokenizers(self.config.tokenizers))
+            self.http = HttpServer(create_app(self.service, self.metrics, self._ready.is_set, lookup),
                                    self.config.http_host, self.config.http_port)
         except Exception:
             frontend.close(linger=0)
