@@ -195,22 +195,7 @@ def test_store_over_an_unreachable_redis_answers_from_l1(tmp_path):
     store.close()
 
 
-# -- cluster, config, sharing ----------------------------------------------------------------------
-
-
-def test_cluster_mode(tmp_path):
-    server = RedisServer(tmp_path / "cluster", cluster=True)
-    server.start()
-    try:
-        tier = RedisTier(server.url, cluster=True)
-        items = [(key(i), obj(i)) for i in range(20)]  # spread over many hash slots
-        assert tier.put(items) == [True] * 20
-        assert [bytes(g) for g in tier.get([k for k, _ in items])] == [o for _, o in items]
-        assert tier.contains([key(0), key(99)]) == [True, False]
-        assert tier.delete([key(0), key(1)]) == 2 and tier.clear() == 18
-        tier.close()
-    finally:
-        server.stop()
+# -- config, sharing (a real cluster: test_redis_cluster.py) ---------------------------------------
 
 
 def test_adapter_config_builds_the_tier(redis_server):

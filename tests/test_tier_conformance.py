@@ -1,5 +1,5 @@
-"""One conformance suite that every tier runs: memory, disk, Redis (a real server), S3 (a real
-SeaweedFS), each as it is and wrapped in a codec (``CodecTier``). What a store above may rely on,
+"""One conformance suite that every tier runs: memory, disk, Redis (a real server, and a real
+three-master cluster), S3 (a real SeaweedFS), each as it is and wrapped in a codec (``CodecTier``). What a store above may rely on,
 whatever the medium: put/get/contains/delete/clear, a corrupt object is a miss that is deleted
 and reported, the capacity holds, concurrent readers and writers see whole objects or misses, a
 medium that persists keeps its objects across a restart, and every change is an event.
@@ -81,6 +81,39 @@ def _redis(request, tmp_path, wrap) -> Harness:
                    overshoot=2 * size(64))
 
 
+@pytest.fixture(scope="module")
+def small_cluster(tmp_path_factory):
+    """Three masters, no replicas (failover is test_redis_cluster.py's), 4 MB each; shared by
+    the module's cluster cases, emptied for each."""
+    from kvtier_testing.servers import ValkeyCluster
+
+    cluster = ValkeyCluster(tmp_path_factory.mktemp("cluster"), masters=3, replicas=0, maxmemory="4mb")
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def _redis_cluster(request, tmp_path, wrap) -> Harness:
+    import redis
+
+    from kvtier.tiers.redis import RedisTier
+
+    cluster = request.getfixturevalue("small_cluster")
+    raw = redis.RedisCluster.from_url(cluster.url)
+    request.addfinalizer(raw.close)
+    raw.flushall(target_nodes=redis.RedisCluster.PRIMARIES)  # what an earlier case left would be evicted
+
+    def corrupt(k: bytes) -> None:
+        name = f"kvtier:{k.hex()}"
+        data = bytearray(raw.get(name))
+        data[-1] ^= 0xFF
+        raw.set(name, bytes(data))
+
+    # each master evicts for itself: one object (and its bookkeeping) over, on each
+    return Harness(make=lambda capacity_bytes=None: wrap(RedisTier(cluster.url, cluster=True)), corrupt=corrupt,
+                   overshoot=3 * 2 * size(64))
+
+
 def _s3(request, tmp_path, wrap) -> Harness:
     from kvtier.tiers.s3 import S3Tier
     from kvtier_testing.servers import S3_BUCKET
@@ -103,7 +136,7 @@ def _s3(request, tmp_path, wrap) -> Harness:
     return Harness(make=make, corrupt=corrupt)
 
 
-MEDIA = {"memory": _memory, "disk": _disk, "redis": _redis, "s3": _s3}
+MEDIA = {"memory": _memory, "disk": _disk, "redis": _redis, "redis-cluster": _redis_cluster, "s3": _s3}
 CODECS = ("raw", "zstd")
 
 
@@ -111,9 +144,9 @@ def cases(*media: str) -> list:
     return [pytest.param((m, c), id=f"{m}-{c}") for m in media for c in CODECS]
 
 
-ALL = cases("memory", "disk", "redis", "s3")
-PERSISTENT = cases("disk", "redis", "s3")
-READ_FROM_A_MEDIUM = cases("disk", "redis", "s3")  # objects read back are checked (memory holds its own)
+ALL = cases("memory", "disk", "redis", "redis-cluster", "s3")
+PERSISTENT = cases("disk", "redis", "redis-cluster", "s3")
+READ_FROM_A_MEDIUM = cases("disk", "redis", "redis-cluster", "s3")  # objects read back are checked (memory holds its own)
 EVICTING_HERE = cases("memory", "disk", "s3")  # Redis evicts by itself, unseen (docs/architecture.md)
 
 

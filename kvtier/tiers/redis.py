@@ -13,6 +13,13 @@ refused writes in ``stats.rejected_puts``.
 
 A connection error or timeout marks the tier unhealthy (health.py): it is skipped until a PING
 answers again.
+
+In a cluster (``cluster: true``) keys spread over every hash slot: each batch is one pipeline that
+redis-py splits by node (no command of the tier names two keys at once but DEL in ``clear``, which
+redis-py splits by slot), and ``usage`` adds up the masters. A master that dies makes the tier
+unhealthy like a lost server, until its replica has taken over (docs/remote-tiers.md); the
+client learns the new topology from any node it still knows (``startup_nodes`` for a start while
+the ``url``'s node is down).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from kvtier.tiers.base import AdapterConfig, TierUsage, require_client
 try:  # the [remote] extra: without it a redis adapter still parses, and building it says what to install
     import redis
     from redis.backoff import NoBackoff
-    from redis.cluster import RedisCluster
+    from redis.cluster import ClusterNode, RedisCluster
     from redis.exceptions import RedisError, ResponseError, TimeoutError as RedisTimeoutError
     from redis.retry import Retry
 except ImportError as exc:
@@ -68,6 +75,7 @@ class RedisAdapterConfig(AdapterConfig, tag="redis"):
     key_prefix: str = "kvtier:"
     ttl_s: Annotated[int, msgspec.Meta(ge=1)] | None = None
     cluster: bool = False
+    startup_nodes: list[str] = []
     password_env: str | None = None
     socket_timeout_s: PositiveSeconds = 2.0
     connect_timeout_s: PositiveSeconds = 1.0
@@ -89,6 +97,10 @@ class RedisAdapterConfig(AdapterConfig, tag="redis"):
             raise ConfigError("ssl_* options need a rediss:// url")
         if self.cluster and parts.path not in ("", "/", "/0"):
             raise ConfigError("Redis Cluster has only database 0; drop the database from the url")
+        if self.startup_nodes and not self.cluster:
+            raise ConfigError("startup_nodes needs cluster: true (a single server has no other nodes)")
+        for node in self.startup_nodes:
+            host_port(node)
 
     def build(self, name: str) -> RedisTier:
         require_client(_client_missing, "redis")
@@ -111,6 +123,7 @@ class RedisAdapterConfig(AdapterConfig, tag="redis"):
             key_prefix=self.key_prefix,
             ttl_s=self.ttl_s,
             cluster=self.cluster,
+            startup_nodes=[host_port(node) for node in self.startup_nodes],
             password=password,
             ssl=ssl,
             socket_timeout_s=self.socket_timeout_s,
@@ -128,6 +141,7 @@ class RedisTier(RemoteTier):
         key_prefix: str = "kvtier:",
         ttl_s: int | None = None,
         cluster: bool = False,
+        startup_nodes: Sequence[tuple[str, int]] = (),
         password: str | None = None,
         ssl: dict[str, Any] | None = None,
         socket_timeout_s: float = 2.0,
@@ -136,7 +150,8 @@ class RedisTier(RemoteTier):
         max_backoff_s: float = MAX_BACKOFF_S,
         name: str | None = None,
     ) -> None:
-        """``ssl`` holds redis-py's ``ssl_*`` keyword arguments (for ``rediss://`` URLs).
+        """``ssl`` holds redis-py's ``ssl_*`` keyword arguments (for ``rediss://`` URLs);
+        ``startup_nodes``, cluster nodes besides the url's to discover the cluster from.
         Probes the server once here: one that is down at start makes the tier unhealthy, not an
         error."""
         super().__init__(name, f"redis tier {redacted_url(url)}", initial_backoff_s, max_backoff_s)
@@ -144,6 +159,7 @@ class RedisTier(RemoteTier):
         self.key_prefix = key_prefix
         self.ttl_s = ttl_s
         self.cluster = cluster
+        self.startup_nodes = list(startup_nodes)
         self._options: dict[str, Any] = {
             "socket_timeout": socket_timeout_s,
             "socket_connect_timeout": connect_timeout_s,
@@ -248,9 +264,11 @@ class RedisTier(RemoteTier):
         return removed
 
     def usage(self) -> TierUsage:
-        """The server's memory and key count (every key in the database, not only kvtier's);
-        capacity 0 means the server has no ``maxmemory``."""
-        info = self._call(lambda client: (_summed(client.info("memory")), client.dbsize()))
+        """The server's memory and key count (every key in the database, not only kvtier's),
+        in a cluster its masters' added up (replicas hold copies, not more room); capacity 0
+        means the server has no ``maxmemory``."""
+        where = {"target_nodes": RedisCluster.PRIMARIES} if self.cluster else {}
+        info = self._call(lambda client: (_summed(client.info("memory", **where)), client.dbsize(**where)))
         if info is None:
             return TierUsage(0, 0, 0)
         memory, objects = info
@@ -300,8 +318,11 @@ class RedisTier(RemoteTier):
 
     def _probe(self) -> None:
         if self._client is None:
-            client_class = RedisCluster if self.cluster else redis.Redis
-            client = client_class.from_url(self.url, **self._options)  # a cluster connects here
+            if self.cluster:  # connects here, to the first node of these that answers
+                nodes = [ClusterNode(host, port) for host, port in self.startup_nodes]
+                client = RedisCluster.from_url(self.url, startup_nodes=nodes, **self._options)
+            else:
+                client = redis.Redis.from_url(self.url, **self._options)
             try:
                 client.ping()
                 self._check_eviction_policy(client)
@@ -330,6 +351,15 @@ class RedisTier(RemoteTier):
         if not self._warned_refusal:
             self._warned_refusal = True
             logger.warning("redis tier: the server refused a write (%s); further refusals are only counted", error)
+
+
+def host_port(node: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) of a cluster node, or a ConfigError naming it."""
+    host, _, port = node.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"startup_nodes entries are host:port, got {node[:80]!r}")
+    return host, int(port)
 
 
 def _glob_escape(text: str) -> str:
