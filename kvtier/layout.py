@@ -29,13 +29,25 @@ DTYPE_IDS = {name: i for i, name in enumerate(DTYPE_SIZES)}
 FINGERPRINT_SIZE = 16
 
 
+#: What an object of a span [start, end) holds (``KVLayout.retention``):
+#:   all     every token's KV (full attention, MLA)
+#:   window  the KV of the ``lookback`` tokens before the span's end, in whole blocks (sliding
+#:           window, chunked local attention: a hit at the end needs no more)
+#:   state   one block of recurrent state per layer, the state after the span's last token
+#:           (Mamba, Gated DeltaNet): ``state_bytes`` per layer, whatever the span's length
+RETENTIONS = ("all", "window", "state")
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Geometry of one model's KV as one engine stores it.
 
     ``arrangement`` names how the payload bytes are ordered (for example ``hf-layer-kv-hnd``
     for transformers' per-layer key/value tensors); two arrangements of the same geometry are
-    different layouts, because the bytes mean different things.
+    different layouts, because the bytes mean different things. ``group`` names the kind of KV
+    (one engine's model may have several groups: full and sliding-window layers, attention and
+    recurrent state), with the parameters that change its bytes. ``kv_parts`` is 2 for separate
+    keys and values, 1 for one latent per token (MLA).
     """
 
     num_layers: int
@@ -47,9 +59,13 @@ class KVLayout:
     tp_size: int = 1
     group: str = "kv"
     arrangement: str = "hf-layer-kv-hnd"
+    kv_parts: int = 2
+    retention: str = "all"
+    lookback: int = 0
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_size", "block_size", "tp_size"):
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size", "tp_size", "kv_parts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"KVLayout.{name} must be a positive integer, got {value!r}")
@@ -60,22 +76,48 @@ class KVLayout:
         for name in ("group", "arrangement"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"KVLayout.{name} must be a non-empty string")
+        if self.retention not in RETENTIONS:
+            raise ConfigError(f"KVLayout.retention must be one of {RETENTIONS}, got {self.retention!r}")
+        for name, needed in (("lookback", "window"), ("state_bytes", "state")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value > 0) != (self.retention == needed):
+                raise ConfigError(f"KVLayout.{name} must be a positive integer with retention {needed!r}, else 0; got {value!r}")
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes of one token over all layers (keys and values)."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+        """KV bytes of one token over all layers (keys and values); 0 for recurrent state."""
+        if self.retention == "state":
+            return 0
+        return self.num_layers * self.kv_parts * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+
+    def stored_blocks(self, num_tokens: int) -> range:
+        """The blocks of a span of ``num_tokens`` tokens (from a block boundary) its object
+        holds, counted from the span's first block."""
+        blocks = -(-num_tokens // self.block_size)
+        if self.retention == "state":
+            return range(blocks - 1, blocks)
+        if self.retention == "window":
+            return range(max(0, (num_tokens - self.lookback) // self.block_size), blocks)
+        return range(blocks)
 
     def payload_bytes(self, num_tokens: int) -> int:
-        """Raw KV bytes of an object of ``num_tokens`` tokens: whole blocks, because an engine
+        """Raw bytes of an object of ``num_tokens`` tokens: whole blocks, because an engine
         copies whole pages of ``block_size`` tokens (a prompt's last, partial block is stored as
-        its whole page; the slots past the prompt are never read)."""
-        blocks = -(-num_tokens // self.block_size)
-        return blocks * self.block_size * self.bytes_per_token
+        its whole page; the slots past the prompt are never read); for recurrent state, one
+        state per layer."""
+        if self.retention == "state":
+            return self.num_layers * self.state_bytes
+        return len(self.stored_blocks(num_tokens)) * self.block_size * self.bytes_per_token
 
     def canonical_bytes(self) -> bytes:
-        """A stable encoding of every field: sorted JSON, so field order never matters."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        """A stable encoding of every field: sorted JSON, so field order never matters. Fields
+        added after the first layouts enter it only when they differ from their default, so the
+        keys of layouts that existed before them did not change."""
+        fields = dataclasses.asdict(self)
+        for name in _LATER_FIELDS:
+            if fields[name] == _DEFAULTS[name]:
+                del fields[name]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @functools.cached_property
     def fingerprint(self) -> bytes:
@@ -83,3 +125,7 @@ class KVLayout:
         sealed and checked once per object (computed once per layout: it is 14 us of JSON and
         hashing, against a few us for the rest of a seal)."""
         return blake3.blake3(b"kvtier-layout\0" + self.canonical_bytes()).digest(FINGERPRINT_SIZE)
+
+
+_LATER_FIELDS = ("kv_parts", "retention", "lookback", "state_bytes")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KVLayout)}

@@ -149,9 +149,11 @@ class EngineProcess:
         return self._reply(timeout)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 1, logprobs: int | None = None,
-                 timeout: float = 300, kv_transfer_params: dict | None = None) -> list[dict]:
+                 timeout: float = 300, kv_transfer_params: dict | None = None, batch: bool = False) -> list[dict]:
+        """Greedy outputs of ``prompts``, one request at a time (``latency_s`` is each one's), or
+        all submitted together with ``batch`` (then ``latency_s`` is until each finished)."""
         return self.call("generate", timeout, prompts=prompts, max_tokens=max_tokens, logprobs=logprobs,
-                         kv_transfer_params=kv_transfer_params)["outputs"]
+                         kv_transfer_params=kv_transfer_params, batch=batch)["outputs"]
 
     def drain(self, timeout: float = 60) -> dict:
         """Wait until the connector's queued saves are done; returns its stats."""
@@ -247,10 +249,18 @@ def _generate(llm, args: dict) -> dict:
     params = SamplingParams(max_tokens=args.get("max_tokens", 1), temperature=0.0, logprobs=args.get("logprobs"),
                             ignore_eos=True, extra_args=extra)
     outputs = []
-    for prompt in args["prompts"]:
+    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in args["prompts"]]
+    if args.get("batch"):  # all at once: vLLM batches them
         started = time.perf_counter()
-        [result] = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        latency = time.perf_counter() - started
+        results = llm.generate(prompts, params, use_tqdm=False)
+        timed = [(r, time.perf_counter() - started) for r in results]
+    else:
+        timed = []
+        for prompt in prompts:
+            started = time.perf_counter()
+            [result] = llm.generate([prompt], params, use_tqdm=False)
+            timed.append((result, time.perf_counter() - started))
+    for (result, latency), prompt in zip(timed, args["prompts"]):
         completion = result.outputs[0]
         logprobs = None
         if completion.logprobs is not None:

@@ -22,14 +22,15 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import parse_extra_config
+from kvtier.layout import KVLayout
 from kvtier.objects import read_header
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_testing.exactness import mismatch
 from kvtier_testing.kv_damage import DAMAGES, damaged, read_objects, replace_objects
 from kvtier_testing.kvtier_processes import ServerProcess, free_port
 
 CHUNK = 256
 BLOCK = 128  # the CPU attention backend's block size
-LOGPROB_ATOL = 1e-3
 TIMEOUT_S = 0.5
 NEW_TOKENS = 6
 MAX_LEN = 4096  # the longest prompt here is about 2.3k tokens; a shorter limit starts vLLM faster
@@ -146,15 +147,20 @@ def test_save_spans_store_the_prompt_tail_and_the_whole_blocks_before_it(length,
     assert ns.layout.payload_bytes(40) == BLOCK * ns.layout.bytes_per_token  # a partial page is a whole page
 
 
+def _full_group(layers: int):
+    from kvtier.integrations.vllm.common import GroupLayout
+
+    layout = KVLayout(layers, 2, 32, "float32", block_size=16, arrangement="test")
+    return GroupLayout(0, "full", tuple(f"layer{i}" for i in range(layers)), (16 * layout.bytes_per_token // layers,), layout)
+
+
 def _paged(num_blocks: int = 64, layers: int = 3):
     import torch
 
     from kvtier.integrations.vllm.blocks import PagedKV
-    from kvtier.integrations.vllm.common import EngineLayout
 
-    engine = EngineLayout("m", "", tuple(f"layer{i}" for i in range(layers)), 2, 32, "float32", 16, 1, "test")
     allocation = torch.randn(layers, num_blocks, 2, 16, 64)  # [layer, block, heads, tokens, K and V]
-    return PagedKV({f"layer{i}": allocation[i] for i in range(layers)}, engine, num_blocks), allocation
+    return PagedKV({f"layer{i}": allocation[i] for i in range(layers)}, _full_group(layers), num_blocks), allocation
 
 
 @pytest.mark.parametrize("block_ids", [[5, 6, 7, 8], [9, 3, 30, 31], [40, 39, 38, 37, 36, 10]])
@@ -163,13 +169,13 @@ def test_pages_round_trip_through_a_payload_byte_for_byte(block_ids):
 
     pages, allocation = _paged()
     original = allocation.clone()
-    payload = memoryview(bytearray(3 * len(block_ids) * pages.page_bytes))
+    payload = memoryview(bytearray(pages.payload_bytes(len(block_ids))))
     pages.gather(block_ids, payload)
     allocation[:, block_ids] = 0
-    pages.scatter(pages.payload_view(bytes(payload), len(block_ids)), 0, block_ids)
+    pages.scatter(bytes(payload), len(block_ids), 0, block_ids)
     assert torch.equal(allocation, original)
     # a sub-range of a payload lands in other blocks, and only there
-    pages.scatter(pages.payload_view(bytes(payload), len(block_ids)), 1, [60, 61])
+    pages.scatter(bytes(payload), len(block_ids), 1, [60, 61])
     assert torch.equal(allocation[:, 60:62], original[:, block_ids[1:3]])
     assert torch.equal(allocation[:, :60], original[:, :60])
 
@@ -178,11 +184,10 @@ def test_pages_refuse_a_layout_whose_blocks_are_not_contiguous():
     import torch
 
     from kvtier.integrations.vllm.blocks import PagedKV
-    from kvtier.integrations.vllm.common import EngineLayout
 
-    engine = EngineLayout("m", "", ("layer0",), 2, 32, "float32", 16, 1, "test")
+    engine = _full_group(1)
     tokens_first = torch.randn(64, 16, 2, 64).transpose(1, 2)  # [block, heads, tokens, C] over [block, tokens, heads, C]
-    with pytest.raises(ConfigError, match="not one contiguous page"):
+    with pytest.raises(ConfigError, match="not one contiguous row"):
         PagedKV({"layer0": tokens_first}, engine, 64)
     with pytest.raises(ConfigError, match="one row per block"):
         PagedKV({"layer0": torch.randn(128, 2, 8, 64)}, engine, 64)
@@ -281,23 +286,6 @@ def reference(engines):
 def _ask(engine: EngineProcess, name: str) -> dict:
     [out] = engine.generate([PROMPTS[name]], max_tokens=NEW_TOKENS, logprobs=5)
     return out
-
-
-def mismatch(out: dict, ref: dict) -> str | None:
-    """The exactness check: None if ``out`` has vLLM's own greedy tokens and top logprobs (within
-    LOGPROB_ATOL) without kvtier, else what differs first."""
-    if out["token_ids"] != ref["token_ids"]:
-        return f"greedy tokens differ: {out['token_ids']} vs {ref['token_ids']}"
-    for step, (got, want) in enumerate(zip(out["logprobs"], ref["logprobs"])):
-        want = dict((tok, lp) for tok, lp in want)
-        got = dict((tok, lp) for tok, lp in got)
-        top = max(want, key=want.get)
-        if top not in got:
-            return f"step {step}: top token {top} missing"
-        for tok in sorted(set(got) & set(want)):
-            if abs(got[tok] - want[tok]) > LOGPROB_ATOL:
-                return f"step {step} token {tok}: logprob {got[tok]} vs {want[tok]}"
-    return None
 
 
 def assert_same(out: dict, ref: dict, name: str) -> None:

@@ -60,7 +60,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def layout_for_model(model: Any) -> KVLayout:
-    """The KVLayout of a transformers model's KV cache (from its config and its dtype)."""
+    """The KVLayout of a transformers model's KV cache (from its config and its dtype), or
+    ConfigError for a model whose cache is not plain full attention."""
+    _check_supported(model)
     config = _text_config(model.config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -90,10 +92,16 @@ def namespace_for_model(model: Any, model_name: str | None = None, revision: str
 
 
 def _check_supported(model: Any) -> None:
+    """The transformers integration and CacheBlend cache plain full-attention KV: sliding
+    windows, local chunks, recurrent state and MLA latents are refused here, at start (kvtier's
+    vLLM connector caches those)."""
     config = _text_config(model.config)
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(kind != "full_attention" for kind in layer_types):
         raise ConfigError(f"only full-attention models are supported, got layer types {sorted(set(layer_types))}")
+    for name in ("sliding_window", "attention_chunk_size", "kv_lora_rank"):
+        if getattr(config, name, None) and not (name == "sliding_window" and getattr(config, "use_sliding_window", True) is False):
+            raise ConfigError(f"only full-attention models are supported; this one sets {name}={getattr(config, name)}")
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError("encoder-decoder models are not supported")
 
@@ -171,7 +179,6 @@ class PrefixCachedModel:
         revision: str | None = None,
         namespace: Namespace | None = None,
     ) -> None:
-        _check_supported(model)
         self.model = model
         self.cache = TokenCache(store)
         self.layout = layout_for_model(model)

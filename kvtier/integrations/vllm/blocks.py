@@ -1,14 +1,15 @@
 """vLLM's KV tensors seen as pages, and the copies between pages and chunk payloads (worker side).
 
-vLLM hands the connector one tensor per layer, a view ``[blocks, heads, tokens, content]`` of its
-KV allocation. kvtier needs one thing from it: that the page of one block of one layer is a
-contiguous run of bytes. That is checked here, on the tensors themselves, rather than assumed;
-the interior of a page is never interpreted. When every layer lives in one allocation at a
-constant distance from the next (layer-outermost layouts such as the CPU backend's ``LBHNC``), one
-strided view ``[layer, block, page]`` covers them all, and on an accelerator each copy moves a
-block range of every layer at once; on CPU, copies go layer by layer (see below).
-
-A chunk payload is ``[layer, block of the chunk, page]``, contiguous.
+vLLM hands the connector, per layer, one tensor (attention: a view ``[blocks, heads, tokens,
+content]`` of its KV allocation) or several (Mamba/GDN: conv and SSM state), each with one row
+per block. kvtier needs one thing from them: that the row of one block is a contiguous run of
+bytes. That is checked here, on the tensors themselves, rather than assumed (the groups of a
+hybrid model overlay one allocation, and attention pages may be padded to the Mamba page: the
+strides say where each row is); the interior of a row is never interpreted. When every layer
+of a group lives in one allocation at a constant distance from the next (layer-outermost layouts
+such as the CPU backend's ``LBHNC``), one strided view ``[layer, block, page]`` covers them all,
+and on an accelerator each copy moves a block range of every layer at once; on CPU, copies go
+layer by layer (see below).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.common import EngineLayout
+from kvtier.integrations.vllm.common import GroupLayout
 
 # Payloads retrieved from the cache are read-only views; they are only ever read from here.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -44,33 +45,44 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class PagedKV:
-    """Byte views of vLLM's KV pages: ``pages`` is ``[layer, block, page_bytes]`` (uint8)."""
+    """Byte views of one KV-cache group's pages: ``slots`` holds, for each layer of the group in
+    order and each of the layer's tensors (one for attention; conv and SSM state for Mamba/GDN),
+    a ``[block, row_bytes]`` uint8 view. A payload of ``n`` blocks is the slots' rows one after
+    the other: ``[slot][block][row]``, contiguous (for attention, ``[layer, block, page]``)."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], engine: EngineLayout, num_blocks: int) -> None:
-        self.engine = engine
-        self.page_bytes = engine.page_bytes
+    def __init__(self, kv_caches: dict[str, torch.Tensor], group: GroupLayout, num_blocks: int) -> None:
+        self.group = group
         self.num_blocks = num_blocks
-        missing = [name for name in engine.layer_names if name not in kv_caches]
+        missing = [name for name in group.layer_names if name not in kv_caches]
         if missing:
             raise ConfigError(f"vLLM registered no KV tensor for layers {missing[:4]}")
-        layers = [self._page_view(name, kv_caches[name]) for name in engine.layer_names]
-        self.device = layers[0].device
-        self.layers = layers
-        self.pages = self._stack(layers)  # None when the layers are not evenly spaced in one allocation
-        self._host = [t.numpy() for t in layers] if self.device.type == "cpu" else None
+        slots = []
+        for name in group.layer_names:
+            tensors = kv_caches[name]
+            tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+            if len(tensors) != len(group.rows):
+                raise ConfigError(f"layer {name}: {len(tensors)} KV tensors, the {group.kind} group has {len(group.rows)}")
+            slots += [self._row_view(name, t, row) for t, row in zip(tensors, group.rows)]
+        self.slots = slots
+        self.rows = [row for _ in group.layer_names for row in group.rows]
+        self.page_bytes = group.page_bytes * len(group.layer_names)  # one block of every layer
+        self.device = slots[0].device
+        self.uniform = len(set(self.rows)) == 1
+        self.pages = self._stack(slots) if self.uniform else None  # None unless evenly spaced in one allocation
+        self._host = [t.numpy() for t in slots] if self.device.type == "cpu" else None
 
-    def _page_view(self, name: str, cache) -> torch.Tensor:
+    def _row_view(self, name: str, cache, row_bytes: int) -> torch.Tensor:
         if not isinstance(cache, torch.Tensor):
-            raise ConfigError(f"layer {name}: expected one KV tensor, got {type(cache).__name__}")
+            raise ConfigError(f"layer {name}: expected KV tensors, got {type(cache).__name__}")
         if cache.dim() < 2 or cache.shape[0] != self.num_blocks:
             raise ConfigError(
                 f"layer {name}: KV tensor of shape {tuple(cache.shape)} does not have one row per block"
                 f" ({self.num_blocks} blocks); kernel block sizes other than the block size are not supported"
             )
-        page = cache[0]
-        if not page.is_contiguous() or page.numel() * page.element_size() != self.page_bytes:
+        row = cache[0]
+        if not row.is_contiguous() or row.numel() * row.element_size() != row_bytes:
             raise ConfigError(
-                f"layer {name}: a block's KV is not one contiguous page of {self.page_bytes} bytes"
+                f"layer {name}: a block's KV is not one contiguous row of {row_bytes} bytes"
                 f" (shape {tuple(cache.shape)}, strides {cache.stride()}); this KV layout is not supported"
             )
         itemsize = cache.element_size()
@@ -78,45 +90,58 @@ class PagedKV:
         view.set_(
             cache.untyped_storage(),
             cache.storage_offset() * itemsize,
-            (self.num_blocks, self.page_bytes),
+            (self.num_blocks, row_bytes),
             (cache.stride(0) * itemsize, 1),
         )
         return view
 
     @staticmethod
-    def _stack(layers: list[torch.Tensor]) -> torch.Tensor | None:
-        first = layers[0]
+    def _stack(slots: list[torch.Tensor]) -> torch.Tensor | None:
+        first = slots[0]
         storage = first.untyped_storage()
-        if any(t.untyped_storage().data_ptr() != storage.data_ptr() or t.stride() != first.stride() for t in layers):
+        if any(t.untyped_storage().data_ptr() != storage.data_ptr() or t.stride() != first.stride() for t in slots):
             return None
-        offsets = [t.storage_offset() for t in layers]
+        offsets = [t.storage_offset() for t in slots]
         step = offsets[1] - offsets[0] if len(offsets) > 1 else first.shape[0] * first.stride(0)
         if step <= 0 or any(b - a != step for a, b in zip(offsets, offsets[1:])):
             return None
         view = torch.empty(0, dtype=torch.uint8, device=first.device)
-        view.set_(storage, offsets[0], (len(layers), *first.shape), (step, *first.stride()))
+        view.set_(storage, offsets[0], (len(slots), *first.shape), (step, *first.stride()))
         return view
 
     # -- copies --------------------------------------------------------------------------------
     #
-    # On CPU the copies go through numpy, layer by layer, both sides contiguous: plain memcpy on
+    # On CPU the copies go through numpy, slot by slot, both sides contiguous: plain memcpy on
     # the calling thread. torch would split them over its intra-op threads, which is no faster
     # for a memory copy and can be a hundred times slower when the cores are busy (the engine's
-    # own threads, the saver thread). On an accelerator, torch copies, all layers at once.
+    # own threads, the saver thread). On an accelerator, torch copies, all layers at once where
+    # one view covers them.
 
-    def payload_view(self, buffer, num_blocks: int):
-        """A chunk payload (bytes-like of ``num_blocks`` blocks) as ``[layer, block, page]``."""
-        array = np.frombuffer(buffer, dtype=np.uint8).reshape(len(self.layers), num_blocks, self.page_bytes)
-        return array if self._host is not None else torch.from_numpy(array)
+    def payload_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self.page_bytes
 
-    def scatter(self, payload, first: int, block_ids: Sequence[int]) -> None:
-        """Pages ``first..first+len(block_ids)`` of a payload into vLLM's blocks ``block_ids``."""
+    def _segments(self, buffer, num_blocks: int):
+        """A payload of ``num_blocks`` blocks cut into one ``[block, row]`` array per slot (one
+        ``[slot, block, row]`` array where all rows are alike)."""
+        array = np.frombuffer(buffer, dtype=np.uint8)
+        if self.uniform:
+            return array.reshape(len(self.rows), num_blocks, self.rows[0])
+        segments, offset = [], 0
+        for row in self.rows:
+            size = num_blocks * row
+            segments.append(array[offset : offset + size].reshape(num_blocks, row))
+            offset += size
+        return segments
+
+    def scatter(self, payload, num_blocks: int, first: int, block_ids: Sequence[int]) -> None:
+        """Blocks ``first..first+len(block_ids)`` of a payload (bytes-like of ``num_blocks``
+        blocks) into vLLM's blocks ``block_ids``."""
         if not block_ids:
             return
         runs = _runs(block_ids)
+        segments = self._segments(payload, num_blocks)
         if self._host is not None:
-            for layer, dst in enumerate(self._host):
-                src = payload[layer]
+            for dst, src in zip(self._host, segments):
                 if len(runs) <= MAX_RUN_COPIES:
                     for pos, block, length in runs:
                         dst[block : block + length] = src[first + pos : first + pos + length]
@@ -124,35 +149,31 @@ class PagedKV:
                     dst[np.asarray(block_ids)] = src[first : first + len(block_ids)]
             return
         if self.pages is not None and len(runs) <= MAX_RUN_COPIES:
+            stacked = torch.from_numpy(segments)
             for pos, block, length in runs:
-                self.pages[:, block : block + length].copy_(payload[:, first + pos : first + pos + length], non_blocking=True)
+                self.pages[:, block : block + length].copy_(stacked[:, first + pos : first + pos + length], non_blocking=True)
             return
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer, dst in enumerate(self.layers):
-            dst.index_copy_(0, index, payload[layer, first : first + len(block_ids)].to(self.device, non_blocking=True))
+        for dst, src in zip(self.slots, segments):
+            dst.index_copy_(0, index, torch.from_numpy(src[first : first + len(block_ids)]).to(self.device, non_blocking=True))
 
     def gather(self, block_ids: Sequence[int], dest: memoryview) -> None:
         """vLLM's blocks ``block_ids`` into ``dest``, a writable payload buffer of
-        ``[layer, len(block_ids), page]``."""
+        ``len(block_ids)`` blocks."""
         runs = _runs(block_ids)
         n = len(block_ids)
+        segments = self._segments(dest, n)
         if self._host is not None:
-            out = np.frombuffer(dest, dtype=np.uint8).reshape(len(self.layers), n, self.page_bytes)
-            for layer, src in enumerate(self._host):
+            for out, src in zip(segments, self._host):
                 if len(runs) <= MAX_RUN_COPIES:
                     for pos, block, length in runs:
-                        out[layer, pos : pos + length] = src[block : block + length]
+                        out[pos : pos + length] = src[block : block + length]
                 else:
-                    np.take(src, np.asarray(block_ids), axis=0, out=out[layer])
-            return
-        out = torch.frombuffer(dest, dtype=torch.uint8).view(len(self.layers), n, self.page_bytes)
-        if self.pages is not None and len(runs) <= MAX_RUN_COPIES:
-            for pos, block, length in runs:
-                out[:, pos : pos + length].copy_(self.pages[:, block : block + length])
+                    np.take(src, np.asarray(block_ids), axis=0, out=out)
             return
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer, src in enumerate(self.layers):
-            out[layer].copy_(src.index_select(0, index))
+        for out, src in zip(segments, self.slots):
+            torch.from_numpy(out).copy_(src.index_select(0, index))
 
     def synchronize(self) -> None:
         """Wait for copies queued on the device (no-op on CPU)."""

@@ -23,6 +23,8 @@ in the forward pass after the load.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -68,44 +70,134 @@ def _dtype_name(dtype) -> str:
     return name
 
 
+#: vLLM's null block: the placeholder in a group's block table where the group keeps no KV
+#: (tokens outside a sliding window or a local chunk, recurrent states not kept)
+NULL_BLOCK = 0
+
+
 @dataclass(frozen=True)
-class EngineLayout:
-    """What both sides derive from vLLM's configs: the cached layer names in order and the
-    layout of every TP rank."""
+class GroupLayout:
+    """One of vLLM's KV-cache groups as kvtier stores it: its layers in vLLM's order, the byte
+    size of each of a layer's per-block rows (one page for attention; the conv and the SSM
+    state for Mamba/GDN), and the ``KVLayout`` its objects are keyed and checked with (the kind
+    and every parameter of the group's spec are in it: a change in any of them never hits)."""
 
-    model: str
-    revision: str
+    index: int  # vLLM's KV-cache group id
+    kind: str  # full, mla, sliding_window, chunked_local, mamba
     layer_names: tuple[str, ...]
-    num_kv_heads: int
-    head_size: int
-    dtype: str
-    block_size: int
-    tp_size: int
-    arrangement: str
+    rows: tuple[int, ...]  # bytes of each per-block row of one layer
+    layout: KVLayout  # of TP rank 0
 
-    def layout(self, tp_rank: int) -> KVLayout:
-        return KVLayout(
-            num_layers=len(self.layer_names),
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            tp_rank=tp_rank,
-            tp_size=self.tp_size,
-            group="kv",
-            arrangement=self.arrangement,
-        )
+    @property
+    def same_on_every_rank(self) -> bool:
+        """MLA's latent KV is not split over tensor-parallel ranks: one object serves all."""
+        return self.kind == "mla"
+
+    def layout_of(self, tp_rank: int) -> KVLayout:
+        return self.layout if self.same_on_every_rank else dataclasses.replace(self.layout, tp_rank=tp_rank)
+
+    @property
+    def retention(self) -> str:
+        return self.layout.retention
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one block of one layer."""
-        return self.block_size * 2 * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+        return sum(self.rows)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """What both sides derive from vLLM's configs: the model, its KV-cache groups, and the
+    block size and tensor-parallel size they share."""
+
+    model: str
+    revision: str
+    groups: tuple[GroupLayout, ...]
+    block_size: int
+    tp_size: int
+    arrangement: str
+
+    @property
+    def has_state(self) -> bool:
+        """Whether a group keeps recurrent state: hits must then end where a state was saved."""
+        return any(g.retention == "state" for g in self.groups)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layer_names) for g in self.groups)
+
+
+def _check_attention(spec) -> None:
+    head_size_v = spec.head_size_v if spec.head_size_v is not None else spec.head_size
+    if getattr(spec, "kv_quant_mode", 0) or spec.num_head_slots is not None or spec.state_content_bytes is not None:
+        raise ConfigError(f"kvtier does not cache quantized or packed KV pages ({type(spec).__name__})")
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        raise ConfigError(f"kvtier does not cache KV that stores {spec.tokens_per_state} tokens per state")
+    if head_size_v not in (spec.head_size, 0):
+        raise ConfigError("kvtier needs K and V of the same head size")
+
+
+def group_layout(index: int, group, block_size: int, tp_size: int, arrangement: str) -> GroupLayout:
+    """The ``GroupLayout`` of one of vLLM's KV-cache groups, or ConfigError for a kind kvtier
+    does not cache."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    spec = group.kv_cache_spec
+    names = tuple(group.layer_names)
+    common = dict(num_layers=len(names), block_size=block_size, tp_size=tp_size, arrangement=arrangement)
+    kind = type(spec)
+    if kind is MambaSpec:
+        if spec.mamba_cache_mode != "align":
+            raise ConfigError(
+                "kvtier caches recurrent (Mamba/GDN) state only with vLLM's --mamba-cache-mode align,"
+                f" where states are kept at block boundaries; this engine uses {spec.mamba_cache_mode!r}"
+            )
+        if spec.num_speculative_blocks:
+            raise ConfigError("kvtier does not cache recurrent state with speculative decoding blocks")
+        rows = tuple(math.prod(shape) * DTYPE_SIZES[_dtype_name(dtype)] for shape, dtype in zip(spec.shapes, spec.dtypes))
+        states = ",".join(f"{tuple(shape)}:{_dtype_name(dtype)}" for shape, dtype in zip(spec.shapes, spec.dtypes))
+        layout = KVLayout(
+            num_kv_heads=1, head_size=1, dtype="uint8", group=f"mamba:{spec.mamba_type.name}:{states}",
+            retention="state", state_bytes=sum(rows), **common,
+        )
+        return GroupLayout(index, "mamba", names, rows, layout)
+    if kind not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec):
+        raise ConfigError(f"kvtier does not cache KV of {kind.__name__} groups")
+    _check_attention(spec)
+    dtype = _dtype_name(spec.dtype)
+    if kind is MLAAttentionSpec:
+        if spec.cache_dtype_str not in (None, "auto") and spec.cache_dtype_str != dtype:
+            raise ConfigError(f"kvtier does not cache MLA KV stored as {spec.cache_dtype_str}")
+        layout = KVLayout(num_kv_heads=1, head_size=spec.head_size, dtype=dtype, group="mla", kv_parts=1,
+                          **{**common, "tp_size": 1})
+        return GroupLayout(index, "mla", names, (layout.block_size * layout.bytes_per_token // len(names),), layout)
+    window = getattr(spec, "sliding_window", None)
+    local = getattr(spec, "attention_chunk_size", None)
+    if kind is FullAttentionSpec and (window or local):
+        raise ConfigError("kvtier needs vLLM's hybrid KV-cache allocator for sliding-window or chunked-local layers")
+    geometry = dict(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=dtype, **common)
+    if kind is SlidingWindowSpec:
+        layout = KVLayout(group=f"sliding_window:{window}", retention="window", lookback=window, **geometry)
+        kind_name = "sliding_window"
+    elif kind is ChunkedLocalAttentionSpec:
+        layout = KVLayout(group=f"chunked_local:{local}", retention="window", lookback=local, **geometry)
+        kind_name = "chunked_local"
+    else:
+        layout = KVLayout(group="kv", **geometry)  # the single group of dense models keeps its keys
+        kind_name = "full"
+    return GroupLayout(index, kind_name, names, (layout.block_size * layout.bytes_per_token // len(names),), layout)
 
 
 def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineLayout:
     """The layout from vLLM's configs, or ConfigError for set-ups kvtier does not cache."""
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
@@ -113,57 +205,47 @@ def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name, 1) > 1:
             raise ConfigError(f"kvtier does not support {name} > 1 (KV sharded by tokens)")
-    groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
-    if len(groups) != 1:
-        raise ConfigError(f"kvtier caches models with one KV-cache group; this model has {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec or isinstance(spec, MLAAttentionSpec):
-        raise ConfigError(f"kvtier caches full-attention KV only, not {type(spec).__name__}")
-    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-        raise ConfigError("kvtier does not cache sliding-window or chunked-local attention KV")
-    head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
-    if head_size_v != spec.head_size:
-        raise ConfigError("kvtier needs K and V of the same head size")
-    dtype = _dtype_name(spec.dtype)
+    groups = [(i, g) for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "enable_kv_transfer", True)]
+    if not groups:
+        raise ConfigError("this model has no KV-cache group kvtier could cache")
+    if len(groups) < len(kv_cache_config.kv_cache_groups):
+        raise ConfigError("kvtier caches every KV-cache group of a model or none; some groups here refuse KV transfer")
+    block_sizes = {g.kv_cache_spec.block_size for _, g in groups}
+    if len(block_sizes) != 1:
+        raise ConfigError(f"kvtier needs one block size for all KV-cache groups, not {sorted(block_sizes)}")
+    (block_size,) = block_sizes
     layout_name = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout or "default"
+    arrangement = f"vllm-{current_platform.device_type}-pages-{layout_name}"
     model_config = vllm_config.model_config
-    result = EngineLayout(
+    tp_size = parallel.tensor_parallel_size
+    return EngineLayout(
         model=str(model_config.model),
         revision=str(model_config.revision or ""),
-        layer_names=tuple(groups[0].layer_names),
-        num_kv_heads=spec.num_kv_heads,
-        head_size=spec.head_size,
-        dtype=dtype,
-        block_size=spec.block_size,
-        tp_size=parallel.tensor_parallel_size,
-        arrangement=f"vllm-{current_platform.device_type}-pages-{layout_name}",
+        groups=tuple(group_layout(i, g, block_size, tp_size, arrangement) for i, g in groups),
+        block_size=block_size,
+        tp_size=tp_size,
+        arrangement=arrangement,
     )
-    page = getattr(spec, "page_size_bytes", result.page_bytes)
-    if page != result.page_bytes:
-        raise ConfigError(
-            f"vLLM's KV page is {page} bytes, not {result.page_bytes} (block_size x K and V x heads x head_size"
-            " x dtype): padded or quantized pages are not supported"
-        )
-    return result
 
 
 class NamespaceCache:
-    """Namespaces by (TP rank, request scope): their root digest is computed once."""
+    """Namespaces of every group by (TP rank, request scope): their root digests are computed
+    once."""
 
     def __init__(self, engine: EngineLayout) -> None:
         self.engine = engine
-        self._layouts = {rank: engine.layout(rank) for rank in range(engine.tp_size)}
-        self._cache: dict[tuple[int, RequestScope], Namespace] = {}
+        self._cache: dict[tuple[int, RequestScope], tuple[Namespace, ...]] = {}
 
-    def get(self, tp_rank: int, scope: RequestScope) -> Namespace:
-        ns = self._cache.get((tp_rank, scope))
-        if ns is None:
+    def get(self, tp_rank: int, scope: RequestScope) -> tuple[Namespace, ...]:
+        spaces = self._cache.get((tp_rank, scope))
+        if spaces is None:
             model = self.engine.model if not scope.lora else f"{self.engine.model}+lora:{scope.lora}"
-            ns = Namespace(model, self._layouts[tp_rank], self.engine.revision, scope.salt.encode())
+            salt = scope.salt.encode()
+            spaces = tuple(Namespace(model, g.layout_of(tp_rank), self.engine.revision, salt) for g in self.engine.groups)
             if len(self._cache) > 4096:
                 self._cache.clear()
-            self._cache[(tp_rank, scope)] = ns
-        return ns
+            self._cache[(tp_rank, scope)] = spaces
+        return spaces
 
 
 def pages(num_tokens: int, block_size: int) -> int:
@@ -186,33 +268,35 @@ def save_spans(keys: PrefixKeys, end: int, block_size: int) -> list[ChunkSpan]:
 
 # -- scheduler -> worker, every step --------------------------------------------------------------
 # Jobs carry keys, token ranges and block ids: the scheduler hashes each chunk once per request,
-# and no worker hashes. ``spans[r]`` are the chunks of TP rank r (each rank's keys are bound to its
-# own layout).
+# and no worker hashes. ``spans[r][g]`` are the objects of TP rank r and KV-cache group g (each
+# rank's keys are bound to its own layout, each group's to its spec); ``block_ids[g]`` are
+# vLLM's blocks of group g (the null block where the group keeps nothing).
 
 
 @dataclass
 class LoadJob:
-    """Copy the cached KV of tokens [start, end) into ``block_ids`` (one per block of the range)
-    before the forward pass, from the chunks ``spans[rank]`` (consecutive, the first starting at
-    or before ``start``, the last ending at or after ``end``)."""
+    """Copy the cached KV of tokens [start, end) into each group's ``block_ids`` (one per block
+    of the range) before the forward pass, from the objects ``spans[rank][group]``: for full
+    attention, consecutive chunks covering the range; for a window, those whose window reaches
+    into it; for recurrent state, the one ending at ``end``."""
 
     req_id: ReqId
     scope: RequestScope
-    spans: list[list[ChunkSpan]]
+    spans: list[list[list[ChunkSpan]]]
     start: int
     end: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
 
 
 @dataclass
 class SaveJob:
-    """After the forward pass, store the chunks ``spans[rank]`` (all computed by then), whose
-    block i is vLLM's block ``block_ids[i]``."""
+    """After the forward pass, store the objects ``spans[rank][group]`` (all computed by then),
+    whose block i is vLLM's block ``block_ids[group][i]``."""
 
     req_id: ReqId
     scope: RequestScope
-    spans: list[list[ChunkSpan]]
-    block_ids: list[int]
+    spans: list[list[list[ChunkSpan]]]
+    block_ids: list[list[int]]
     job_id: int = 0
 
 

@@ -16,12 +16,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import ConfigError
 from kvtier.events import Medium
-from kvtier.integrations.vllm.common import KvtierConnectorMetadata, engine_layout
+from kvtier.integrations.vllm.common import EngineLayout, KvtierConnectorMetadata, engine_layout
 from kvtier.integrations.vllm.config import ConnectorConfig, parse_extra_config
 from kvtier.integrations.vllm.metrics import KvtierPromMetrics, build_stats
 from kvtier.tiers.base import medium_of
@@ -48,7 +50,10 @@ log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 _HIT_SOURCES = {Medium.MEMORY: CacheHitSource.HOST, Medium.DISK: CacheHitSource.DISK}
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvtier's connector; it supports vLLM's hybrid KV-cache allocator (``SupportsHMA``): every
+    KV-cache group is cached (common.py, hits.py)."""
+
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
@@ -56,6 +61,7 @@ class KvtierConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self.config: ConnectorConfig = parse_extra_config(transfer.kv_connector_extra_config, transfer.kv_role)
         engine = engine_layout(vllm_config, kv_cache_config)
+        check_features(self.config, engine)
         if not self.config.server_mode:
             _check_embedded(vllm_config)
         if role == KVConnectorRole.SCHEDULER and transfer.kv_load_failure_policy != "recompute":
@@ -77,9 +83,10 @@ class KvtierConnector(KVConnectorBase_V1):
             elif chunk % engine.block_size:
                 raise ConfigError(f"kvtier chunk size {chunk} is not a multiple of vLLM's block size {engine.block_size}")
             log.info(
-                "kvtier connector (scheduler): %s, %s mode, layout %s, %d layers, block %d, chunk %s",
+                "kvtier connector (scheduler): %s, %s mode, layout %s, groups %s, block %d, chunk %s",
                 self.config.role, "server " + self.config.url if self.config.server_mode else "embedded",
-                engine.arrangement, len(engine.layer_names), engine.block_size, chunk,
+                engine.arrangement, ", ".join(f"{g.layout.group} ({len(g.layer_names)} layers)" for g in engine.groups),
+                engine.block_size, chunk,
             )
         elif role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -90,9 +97,9 @@ class KvtierConnector(KVConnectorBase_V1):
                 self.config, engine, get_tensor_model_parallel_rank(), kv_cache_config.num_blocks
             )
 
-    def _block_ids_of(self, req_id: str) -> list[int]:
+    def _block_ids_of(self, req_id: str) -> tuple[list[int], ...]:
         assert self._kv_cache_manager is not None
-        return self._kv_cache_manager.get_block_ids(req_id)[0]
+        return self._kv_cache_manager.get_block_ids(req_id)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -122,6 +129,15 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.connector_worker.get_block_ids_with_load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads of models with several KV-cache groups take vLLM's asynchronous path (the only
+        one where a failed load can be taken back, as a whole request); they ran in
+        ``start_load_kv`` and are reported here, failed ones in both sets."""
+        if self.connector_worker is None:
+            return KVConnectorTransferResults()
+        finished, failed = self.connector_worker.take_finished_loads()
+        return KVConnectorTransferResults(finished_recving=finished | failed, failed_recving=failed)
+
     def build_connector_worker_meta(self):
         return self.connector_worker.build_connector_worker_meta() if self.connector_worker is not None else None
 
@@ -149,6 +165,11 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # saves copy KV out in the step that computed it: the blocks are free now
+        return False, self.connector_scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return False, self.connector_scheduler.request_finished(request)
 
     # -- figures for vLLM's /metrics and stats log (metrics.py) ----------------------------------
@@ -180,6 +201,18 @@ class KvtierConnector(KVConnectorBase_V1):
             self.connector_worker.shutdown()
         if self.connector_scheduler is not None:
             self.connector_scheduler.shutdown()
+
+
+def check_features(config: ConnectorConfig, engine: "EngineLayout") -> None:
+    """Refuse at start what kvtier cannot do for this model rather than answer wrong later:
+    handing recurrent state from a prefill instance to a decode instance (a decode instance
+    needs the state one token before the prompt's end, which vLLM never keeps). Codecs need no
+    check: recurrent state is stored as opaque bytes, which a lossy codec leaves as they are."""
+    if engine.has_state and config.role != "kv_both":
+        raise ConfigError(
+            f"kvtier cannot hand recurrent (Mamba/GDN) state from a prefill instance to a decode instance"
+            f" (kv_role {config.role!r}): the state one token before the prompt's end is never kept; use kv_both"
+        )
 
 
 def _check_embedded(vllm_config: "VllmConfig") -> None:

@@ -73,6 +73,8 @@ FIGURES = (
     Figure("dropped_saves", "dropped_saves",
            "Saves dropped: the staging buffer was full or the cache could not be reached"),
     Figure("failed_saves", "failed_saves", "Saves that failed with an error"),
+    Figure("unsaved_objects", "unsaved_objects",
+           "Objects a save left out because vLLM no longer kept a block they need (windows, states)"),
 )
 
 

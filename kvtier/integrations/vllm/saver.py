@@ -26,7 +26,7 @@ import numpy as np
 
 from kvtier.cache import TokenCache
 from kvtier.keys import ChunkSpan
-from kvtier.integrations.vllm.common import SaveJob, pages
+from kvtier.integrations.vllm.common import NULL_BLOCK, SaveJob
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.worker import KvtierWorker
@@ -79,8 +79,8 @@ class StagingRing:
 @dataclass
 class _Staged:
     job: SaveJob
-    spans: list[ChunkSpan]
-    offsets: dict[bytes, tuple[int, int]]  # chunk key -> (ring offset, bytes)
+    spans: list[list[ChunkSpan]]  # per group, the objects staged
+    offsets: dict[tuple[int, bytes], tuple[int, int]]  # (group, key) -> (ring offset, bytes)
 
 
 class Saver:
@@ -101,29 +101,42 @@ class Saver:
         """Copy the job's pages out of vLLM's blocks now and queue the store; or drop it."""
         started = time.perf_counter()
         worker = self.worker
-        bs = worker.block_size
         if self._closed or not self.cache.key_store.reachable:  # nothing to store into now
             return self._drop(job)
-        spans = job.spans[worker.tp_rank]
-        if not spans:
+        staged = [self._blocks(g, spans, job.block_ids[g]) for g, spans in enumerate(job.spans[worker.tp_rank])]
+        if not any(staged):
             return self._finished(job)
-        page_bytes = worker.pages.page_bytes * len(worker.pages.layers)
-        total = sum(pages(s.num_tokens, bs) for s in spans) * page_bytes
+        total = sum(len(ids) * worker.pages[g].page_bytes for g, objects in enumerate(staged) for _, ids in objects)
         base = self.ring.allocate(total)
         if base is None:
             return self._drop(job)
         offsets, offset = {}, base
-        for span in spans:
-            size = pages(span.num_tokens, bs) * page_bytes
-            first = span.start // bs
-            worker.pages.gather(job.block_ids[first : first + pages(span.num_tokens, bs)], self.ring.view(offset, size))
-            offsets[span.key] = (offset, size)
-            offset += size
-        worker.pages.synchronize()
+        for g, objects in enumerate(staged):
+            for span, ids in objects:
+                size = len(ids) * worker.pages[g].page_bytes
+                worker.pages[g].gather(ids, self.ring.view(offset, size))
+                offsets[(g, span.key)] = (offset, size)
+                offset += size
+        for group_pages in worker.pages:
+            group_pages.synchronize()
         with self._cond:
-            self._queue.append(_Staged(job, spans, offsets))
+            self._queue.append(_Staged(job, [[span for span, _ in objects] for objects in staged], offsets))
             self._cond.notify_all()
         worker.stats.stage_s += time.perf_counter() - started
+
+    def _blocks(self, g: int, spans: list[ChunkSpan], block_ids: list[int]) -> list[tuple[ChunkSpan, list[int]]]:
+        """The objects of group ``g`` that can be stored, with vLLM's blocks each holds: one that
+        would need a block vLLM no longer keeps for the group is left out."""
+        bs, layout = self.worker.block_size, self.worker.engine.groups[g].layout
+        objects = []
+        for span in spans:
+            first = span.start // bs
+            ids = [block_ids[first + i] if first + i < len(block_ids) else NULL_BLOCK for i in layout.stored_blocks(span.num_tokens)]
+            if NULL_BLOCK in ids:
+                self.worker.stats.unsaved_objects += 1
+                continue
+            objects.append((span, ids))
+        return objects
 
     def _drop(self, job: SaveJob) -> None:
         self.worker.stats.dropped_saves += 1
@@ -168,22 +181,22 @@ class Saver:
     def _store(self, staged: _Staged) -> None:
         started = time.perf_counter()
         worker, job = self.worker, staged.job
-        ns = worker.namespaces.get(worker.tp_rank, job.scope)
+        spaces = worker.namespaces.get(worker.tp_rank, job.scope)
+        written, stored = 0, 0
+        for g, spans in enumerate(staged.spans):
 
-        written = 0
+            def fill(span: ChunkSpan, dest: memoryview, g: int = g) -> None:
+                nonlocal written
+                offset, size = staged.offsets[(g, span.key)]
+                dest[:size] = self.ring.view(offset, size)
+                written += size
 
-        def fill(span: ChunkSpan, dest: memoryview) -> None:
-            nonlocal written
-            offset, size = staged.offsets[span.key]
-            dest[:size] = self.ring.view(offset, size)
-            written += size
-
-        stored = self.cache.store_spans(ns, staged.spans, fill)
+            stored += self.cache.store_spans(spaces[g], spans, fill) if spans else 0
         if not stored and not self.cache.key_store.reachable:  # the server went away: the client dropped it
             worker.stats.dropped_saves += 1
             return
         worker.stats.saves += 1
-        worker.stats.saved_chunks += stored or 0
+        worker.stats.saved_chunks += stored
         worker.stats.save_bytes += written if stored else 0
         worker.stats.save_s += time.perf_counter() - started
 

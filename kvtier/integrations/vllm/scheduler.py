@@ -52,9 +52,9 @@ from kvtier.integrations.vllm.common import (
     SaveJob,
     pages,
     request_scope,
-    save_spans,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.hits import best_end, group_save_spans, hit_spans, load_spans
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
 
@@ -76,7 +76,7 @@ class _Lookup:
     load: int  # tokens to load past num_computed
     tiers: list[str]  # tier of each hit chunk
     stored: int  # prompt tokens taken as stored already: saves start there
-    spans: list[list[ChunkSpan]] = field(default_factory=list)  # per TP rank, the chunks hit
+    spans: list[list[list[ChunkSpan]]] = field(default_factory=list)  # per TP rank and group, the objects hit
 
 
 @dataclass
@@ -124,7 +124,7 @@ class KvtierScheduler:
         self,
         config: ConnectorConfig,
         engine: EngineLayout,
-        block_ids_of: Callable[[ReqId], list[int]],
+        block_ids_of: Callable[[ReqId], tuple[list[int], ...]],
     ) -> None:
         self.config = config
         self.engine = engine
@@ -136,7 +136,7 @@ class KvtierScheduler:
         self._block_ids_of = block_ids_of
         self._lookups: dict[ReqId, _Lookup] = {}
         self._requests: dict[ReqId, _Tracked] = {}
-        self._keys: dict[ReqId, list[PrefixKeys]] = {}  # per request, per TP rank: hashed once
+        self._keys: dict[ReqId, list[list[PrefixKeys]]] = {}  # per request, TP rank and group: hashed once
         self._waiting: dict[ReqId, _Waiting] = {}
         self._loads: list[LoadJob] = []
         self._next_job = 1
@@ -146,6 +146,7 @@ class KvtierScheduler:
         # how long an unconfirmed save may hold back lookups of its prefix
         self._in_flight_s = 2 * config.timeout_s + 1.0
         self._chunk_warned = False
+        self._load_async = len(engine.groups) > 1
 
     # -- chunk size ----------------------------------------------------------------------------
 
@@ -196,8 +197,8 @@ class KvtierScheduler:
             return None, False
         started = time.perf_counter()
         keys = self._request_keys(request.request_id, scope, prompt, chunk)
-        hit, tiers, spans = self._lookup(keys)
-        pending = self._worth_waiting(len(prompt), hit, num_computed_tokens) and self._being_saved(keys[0], hit, chunk)
+        hit, tiers, spans = self._lookup(keys, len(prompt))
+        pending = self._worth_waiting(len(prompt), hit, num_computed_tokens) and self._being_saved(keys[0][0], hit, chunk)
         self.stats.lookup_s += time.perf_counter() - started
         if expected and not self._prefill_arrived(request.request_id, hit, min(expected, len(prompt)), now):
             return None, False
@@ -209,15 +210,18 @@ class KvtierScheduler:
         self.stats.hit_tokens += hit
         load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans)
-        return load, False
+        # vLLM can take back a failed load of a model with several groups only as a whole
+        # request, and only on its asynchronous load path (see worker.py)
+        return load, load > 0 and self._load_async
 
-    def _request_keys(self, req_id: ReqId, scope: RequestScope, prompt, chunk: int) -> list[PrefixKeys]:
-        """The keys of the prompt's chunks and partial chunks, per TP rank: hashed once per request."""
+    def _request_keys(self, req_id: ReqId, scope: RequestScope, prompt, chunk: int) -> list[list[PrefixKeys]]:
+        """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
+        per request."""
         keys = self._keys.get(req_id)
         if keys is None:
             tokens = np.asarray(prompt, dtype=np.uint32)
             keys = self._keys[req_id] = [
-                prefix_keys(self.namespaces.get(rank, scope), tokens, chunk, self.block_size)
+                [prefix_keys(ns, tokens, chunk, self.block_size) for ns in self.namespaces.get(rank, scope)]
                 for rank in range(self.engine.tp_size)
             ]
         return keys
@@ -243,20 +247,32 @@ class KvtierScheduler:
             self.stats.prefill_waits += 1
         return True
 
-    def _lookup(self, keys: list[PrefixKeys]) -> tuple[int, list[str], list[list[ChunkSpan]]]:
-        """(tokens hit on every TP rank, tier of each chunk, the chunks each rank hit): one
-        ``locate`` per rank, partial-chunk candidates included."""
-        hit, tiers, spans = keys[0].spans[-1].end, [], []
-        for rank, rank_keys in enumerate(keys):
-            result = self.cache.lookup_spans(rank_keys.spans, rank_keys.partials)
-            spans.append(result.spans)
-            if result.hit_tokens < hit:
-                hit, tiers = result.hit_tokens, result.tiers
-            elif rank == 0:
-                tiers = result.tiers
-            if hit == 0:
-                break
-        return hit, tiers, spans
+    def _lookup(self, keys: list[list[PrefixKeys]], prompt_len: int) -> tuple[int, list[str], list[list[list[ChunkSpan]]]]:
+        """(tokens hit on every TP rank and group, tier of each chunk, the objects each rank and
+        group hit): one ``locate`` per rank and group, partial-chunk candidates included. Ranks
+        are asked again with a lower limit until they agree (they differ only after evictions)."""
+        limit = prompt_len
+        while True:
+            found = [self._lookup_rank(rank_keys, prompt_len, limit) for rank_keys in keys]
+            hit = min(h for h, _, _ in found)
+            if hit == 0 or all(h == hit for h, _, _ in found):
+                return hit, found[0][1], [spans for _, _, spans in found]
+            limit = hit
+
+    def _lookup_rank(self, keys: list[PrefixKeys], prompt_len: int, limit: int) -> tuple[int, list[str], list[list[ChunkSpan]]]:
+        groups = self.engine.groups
+        attention = {
+            g: self.cache.lookup_spans(keys[g].spans, keys[g].partials)
+            for g, group in enumerate(groups)
+            if group.retention != "state"
+        }
+
+        def find_state(g: int, candidates: list[ChunkSpan]) -> int:
+            return self.cache.key_store.locate([], [candidates]).partial
+
+        hit = best_end(groups, keys, attention, find_state, prompt_len, self.block_size, limit)
+        tiers = next(iter(attention.values())).tiers if hit else []
+        return hit, tiers, [hit_spans(group, keys[g], attention.get(g), hit) for g, group in enumerate(groups)]
 
     @staticmethod
     def _worth_waiting(prompt: int, hit: int, local: int) -> bool:
@@ -318,9 +334,13 @@ class KvtierScheduler:
         if start % self.block_size or (end % self.block_size and end != len(prompt) - 1) or end > hit:
             log.error("kvtier: vLLM asked for tokens [%d, %d) of a %d-token hit; not loading", start, end, hit)
             return
-        block_ids = blocks.get_block_ids()[0][start // self.block_size : pages(end, self.block_size)]
-        spans = [_covering(rank_spans, start, end) for rank_spans in known.spans]
-        self._loads.append(LoadJob(request.request_id, scope, spans, start, end, list(block_ids)))
+        first, last = start // self.block_size, pages(end, self.block_size)
+        block_ids = [list(blocks.get_block_ids()[g.index][first:last]) for g in self.engine.groups]
+        spans = [
+            [load_spans(group, group_spans, start, end) for group, group_spans in zip(self.engine.groups, rank_spans)]
+            for rank_spans in known.spans
+        ]
+        self._loads.append(LoadJob(request.request_id, scope, spans, start, end, block_ids))
         self.stats.load_tokens += num_external_tokens
         self.stats.hits_by_tier.update(tokens_by_tier(known.tiers, self.chunk_size() or self.block_size, start, end))
 
@@ -343,22 +363,32 @@ class KvtierScheduler:
         return meta
 
     def _plan_save(self, req_id: ReqId, computed: int, chunk: int, meta: KvtierConnectorMetadata) -> None:
-        """A save job for the chunks the step completes, if any."""
+        """A save job for the objects the step completes, if any: the chunks it completes, and
+        the recurrent state where it ended on a block boundary."""
         tracked = self._requests.get(req_id)
         if tracked is None:
             return
         prompt = len(tracked.tokens)
         end = prompt if computed >= prompt else computed // chunk * chunk
-        if end <= tracked.saved_upto:
+        if end <= tracked.saved_upto and not (self.engine.has_state and computed % self.block_size == 0):
             return
         keys = self._request_keys(req_id, tracked.scope, tracked.tokens, chunk)
-        spans = [[s for s in save_spans(k, end, self.block_size) if s.end > tracked.saved_upto] for k in keys]
-        blocks = self._block_ids_of(req_id)[: pages(end, self.block_size)]
-        job = SaveJob(req_id, tracked.scope, spans, list(blocks), self._next_job)
+        spans = [
+            [
+                group_save_spans(group, group_keys, tracked.saved_upto, end, computed)
+                if rank == 0 or not group.same_on_every_rank else []  # one rank stores what all ranks share
+                for group, group_keys in zip(self.engine.groups, rank_keys)
+            ]
+            for rank, rank_keys in enumerate(keys)
+        ]
+        if not any(spans[0]):
+            return
+        blocks = self._block_ids_of(req_id)
+        job = SaveJob(req_id, tracked.scope, spans, [list(blocks[g.index][: pages(computed, self.block_size)]) for g in self.engine.groups], self._next_job)
         self._next_job += 1
-        self._in_flight[job.job_id] = _InFlight([s.key for s in spans[0]], time.monotonic() + self._in_flight_s)
+        self._in_flight[job.job_id] = _InFlight([s.key for s in spans[0][0]], time.monotonic() + self._in_flight_s)
         self._in_flight_keys.update(self._in_flight[job.job_id].keys)
-        tracked.saved_upto = end
+        tracked.saved_upto = max(tracked.saved_upto, end)
         tracked.save_jobs += 1
         self.stats.save_jobs += 1
         meta.saves.append(job)
@@ -392,13 +422,6 @@ class KvtierScheduler:
 
     def shutdown(self) -> None:
         close_cache(self.cache)
-
-
-def _covering(spans: list[ChunkSpan], start: int, end: int) -> list[ChunkSpan]:
-    """The consecutive chunks of ``spans`` a load of tokens [start, end) reads."""
-    first = next(i for i, span in enumerate(spans) if span.end > start)
-    last = next(i for i, span in enumerate(spans) if span.end >= end)
-    return spans[first : last + 1]
 
 
 def tokens_by_tier(tiers: list[str], chunk: int, start: int, end: int) -> Counter:

@@ -29,12 +29,13 @@ import torch
 
 from kvtier.integrations.vllm.blocks import PagedKV
 from kvtier.integrations.vllm.common import (
+    NULL_BLOCK,
     EngineLayout,
+    GroupLayout,
     KvtierConnectorMetadata,
     KvtierWorkerMetadata,
     LoadJob,
     NamespaceCache,
-    pages,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
@@ -57,6 +58,7 @@ class WorkerStats:
     saved_chunks: int = 0
     save_bytes: int = 0
     dropped_saves: int = 0
+    unsaved_objects: int = 0  # objects a save left out: vLLM no longer kept a block they need
     failed_saves: int = 0
     save_s: float = 0.0  # in the saver thread
 
@@ -71,11 +73,13 @@ class KvtierWorker:
         self.namespaces = NamespaceCache(engine)
         self.stats = WorkerStats()
         self._interval = Interval()
-        self.pages: PagedKV | None = None
+        self.pages: list[PagedKV] | None = None  # per group
         self._loads = open_cache(config)
         # releases can be round trips to a server: off the engine's path
         self._releaser = ThreadPoolExecutor(1, "kvtier-release")
         self._invalid_blocks: set[int] = set()
+        self._finished_requests: set[str] = set()
+        self._failed_requests: set[str] = set()
         self._saver: Saver | None = None
         # its own key store, so a load never queues behind a save on one server socket
         self._saves = open_cache(config) if config.save else None
@@ -85,13 +89,16 @@ class KvtierWorker:
                 cache.key_store.ping()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.pages = PagedKV(kv_caches, self.engine, self.num_blocks)
+        self.pages = [PagedKV(kv_caches, group, self.num_blocks) for group in self.engine.groups]
         if self._saves is not None:
             self._saver = Saver(self, self._saves, int(self.config.save_buffer_gb * (1 << 30)))
         log.info(
-            "kvtier: %d layers, pages of %d bytes (%s), arrangement %s, %.2f GiB of save staging",
-            len(self.pages.layers), self.pages.page_bytes,
-            "one view for all layers" if self.pages.pages is not None else "one view per layer",
+            "kvtier: %s, arrangement %s, %.2f GiB of save staging",
+            "; ".join(
+                f"{g.kind} group {g.index}: {len(g.layer_names)} layers, {p.page_bytes} bytes a block"
+                f" ({'one view for all layers' if p.pages is not None else 'one view per tensor'})"
+                for g, p in zip(self.engine.groups, self.pages)
+            ),
             self.engine.arrangement, self.config.save_buffer_gb if self._saver is not None else 0.0,
         )
 
@@ -102,45 +109,76 @@ class KvtierWorker:
             return
         for job in metadata.loads:
             self._load(job)
-        self.pages.synchronize()
+        for group_pages in self.pages:
+            group_pages.synchronize()
 
     def _load(self, job: LoadJob) -> None:
+        """Load every group of the job. A model with one group takes back what was not loaded
+        block by block (vLLM recomputes from the first block missing); a model with several
+        groups only as a whole request (``failed_recving``: vLLM recomputes all of it)."""
         started = time.perf_counter()
         bs = self.block_size
-        ns = self.namespaces.get(self.tp_rank, job.scope)
-        loaded = job.start
-        retrieval = None
-        try:
-            retrieval = self._loads.retrieve_spans(ns, job.spans[self.tp_rank])
-            self.stats.retrieve_s += time.perf_counter() - started
-            for chunk in retrieval.chunks:
-                span = chunk.span
-                lo, hi = max(span.start, loaded), min(span.end, job.end)
-                if lo >= hi:
-                    continue
-                if span.start > loaded:
-                    break  # never happens: chunks come back contiguous from the first asked for
-                payload = self.pages.payload_view(chunk.payload, pages(span.num_tokens, bs))
-                block_ids = job.block_ids[(lo - job.start) // bs : pages(hi - job.start, bs)]
-                self.pages.scatter(payload, (lo - span.start) // bs, block_ids)
-                self.stats.load_bytes += len(block_ids) * self.pages.page_bytes * len(self.pages.layers)
-                loaded = hi
-            self.pages.synchronize()  # before the objects are released
-        except Exception:
-            log.exception("kvtier: load for request %s failed", job.req_id)
-        finally:
-            if retrieval is not None:
-                self._release(retrieval)
-        if loaded < job.end:
+        spaces = self.namespaces.get(self.tp_rank, job.scope)
+        loaded = [job.start] * len(self.engine.groups)
+        for g, group in enumerate(self.engine.groups):
+            spans = job.spans[self.tp_rank][g]
+            retrieval = None
+            try:
+                retrieval = self._loads.retrieve_spans(spaces[g], spans)
+                self.stats.retrieve_s += time.perf_counter() - started
+                loaded[g] = self._scatter(group, self.pages[g], job.start, job.end, job.block_ids[g], retrieval)
+                self.pages[g].synchronize()  # before the objects are released
+            except Exception:
+                log.exception("kvtier: load for request %s failed", job.req_id)
+            finally:
+                if retrieval is not None:
+                    self._release(retrieval)
+            if loaded[g] < job.end:
+                break
+        done = min(loaded)
+        if done < job.end:
             self.stats.failed_loads += 1
-            self._invalid_blocks.update(job.block_ids[(loaded - job.start) // bs :])
+            if len(self.engine.groups) == 1:
+                self._invalid_blocks.update(job.block_ids[0][(done - job.start) // bs :])
+            else:
+                self._failed_requests.add(job.req_id)
             log.warning(
                 "kvtier: loaded %d of %d tokens for request %s; vLLM recomputes the rest",
-                loaded - job.start, job.end - job.start, job.req_id,
+                done - job.start, job.end - job.start, job.req_id,
             )
+        if len(self.engine.groups) > 1:
+            self._finished_requests.add(job.req_id)
         self.stats.loads += 1
-        self.stats.loaded_tokens += loaded - job.start
+        self.stats.loaded_tokens += done - job.start
         self.stats.load_s += time.perf_counter() - started
+
+    def _scatter(self, group: GroupLayout, pages_: PagedKV, start: int, end: int, ids: list[int], retrieval) -> int:
+        """Copy the retrieved objects' blocks that fall in the job's range into vLLM's blocks of
+        the group (never into the null block: where vLLM keeps nothing for the group, nothing is
+        needed); returns where the tokens restored end (``end`` when every block the group keeps
+        there was written)."""
+        bs, layout = self.block_size, group.layout
+        first = start // bs
+        needed = {i for i, block in enumerate(ids) if block != NULL_BLOCK}
+        written = False
+        for chunk in retrieval.chunks:
+            span = chunk.span
+            stored = layout.stored_blocks(span.num_tokens)
+            base = span.start // bs + stored.start  # the first block the object holds
+            lo, hi = max(base, first), min(span.start // bs + stored.stop, first + len(ids))
+            runs = [(i - first, ids[i - first]) for i in range(lo, hi) if ids[i - first] != NULL_BLOCK]
+            if not runs:
+                continue
+            positions = [p for p, _ in runs]
+            if positions != list(range(positions[0], positions[0] + len(positions))):
+                raise RuntimeError("vLLM's blocks of a group are not contiguous in the range a load restores")
+            pages_.scatter(chunk.payload, len(stored), first + positions[0] - base, [b for _, b in runs])
+            needed.difference_update(positions)
+            written = True
+            self.stats.load_bytes += len(runs) * pages_.page_bytes
+        if group.retention == "state":  # the one block that holds the state at ``end``
+            return end if written else start
+        return start + min(needed) * bs if needed else end
 
     def _release(self, retrieval) -> None:
         """Hand the objects back; a server round trip, so off the engine's path."""
@@ -149,6 +187,13 @@ class KvtierWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
+
+    def take_finished_loads(self) -> tuple[set[str], set[str]]:
+        """(loads finished, of which failed) since the last call, for the asynchronous load path
+        of models with several groups: the load itself ran in ``start_load_kv``."""
+        finished, self._finished_requests = self._finished_requests, set()
+        failed, self._failed_requests = self._failed_requests, set()
+        return finished, failed
 
     # -- saves ---------------------------------------------------------------------------------
 
