@@ -158,6 +158,30 @@ def test_port_in_use_is_a_clear_error(server, tmp_path):
     assert out.returncode == 1 and "Address already in use" in out.stderr
 
 
+def test_only_unlocked_arena_files_are_cleared_and_nothing_else_in_shm_stops_a_start(tmp_path, monkeypatch):
+    """/dev/shm is the whole host's (on Kubernetes, every pod's): a directory or a file of
+    someone else's under a kvtier- name is left there, and the server still starts."""
+    import fcntl
+
+    from kvtier.wire import shm
+
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    stale, live = tmp_path / "kvtier-4242-0123456789ab", tmp_path / "kvtier-4243-0123456789ab"
+    stale.write_bytes(b"x")
+    live.write_bytes(b"x")
+    foreign_dir, foreign_file = tmp_path / "kvtier-4244-0123456789ab", tmp_path / "kvtier-bench-work"
+    foreign_dir.mkdir()
+    foreign_file.write_bytes(b"x")
+    with open(live, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        arena = shm.SharedArena.create(1 << 16)
+    try:
+        assert arena.path.parent == tmp_path
+        assert not stale.exists() and live.exists() and foreign_dir.is_dir() and foreign_file.exists()
+    finally:
+        arena.close(unlink=True)
+
+
 def test_arena_of_a_killed_server_is_removed_by_the_next_one(server):
     from kvtier.wire.shm import SHM_DIR
 

@@ -12,7 +12,9 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
+import stat
 from pathlib import Path
 
 from kvtier.tiers.arena import prefault
@@ -21,25 +23,37 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 NONCE_SIZE = 32
+#: An arena's file name: the creating server's pid and a random suffix (``SharedArena.create``).
+_ARENA_NAME = re.compile(r"kvtier-\d+-[0-9a-f]{12}")
 ARENA_OFFSET = mmap.PAGESIZE  # page 0 holds the nonce; the arena starts at page 1
 
 
 def remove_stale_arenas() -> None:
     """Delete the arenas of servers that died without cleaning up (SIGKILL, OOM): their files
     would hold shared memory until reboot. A live server holds a lock on its arena's file (which
-    works across containers sharing /dev/shm, unlike a pid check); a file nobody locks is stale."""
+    works across containers sharing /dev/shm, unlike a pid check); a file nobody locks is stale.
+    Only files named as ``create`` names them are candidates: /dev/shm is shared by everything on
+    the host (every pod, on Kubernetes), and what else is there, even under a ``kvtier-`` name,
+    is not ours to remove; nor does anything found there stop this server from starting."""
     for path in SHM_DIR.glob("kvtier-*"):
+        if not _ARENA_NAME.fullmatch(path.name):
+            continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # a live server holds it
         else:
             log.info("removing the arena of a server that is gone: %s", path)
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("cannot remove the stale arena %s: %s", path, exc)
         finally:
             os.close(fd)
 
