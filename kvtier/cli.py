@@ -1,4 +1,4 @@
-"""The ``kvtier`` command: ``server``, ``status``, ``kvcache clear`` and ``pd-proxy``. The demos are
+"""The ``kvtier`` command: ``server``, ``status``, ``kvcache clear``, ``keys generate`` and ``pd-proxy``. The demos are
 the harness's own commands (``kvtier-demo``, ``kvtier-demo-transformers``, in ``kvtier_testing``)."""
 
 from __future__ import annotations
@@ -129,6 +129,17 @@ def _clear(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from kvtier.wire.curve import generate
+
+    try:
+        public, secret = generate(args.dir, args.name)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    print(f"public key {public} (give it to the other side)\nkey pair   {secret} (mode 0600: keep it here)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvtier.config import ServerConfig
     from kvtier.schema import add_flags
@@ -143,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     clear = kvcache.add_parser("clear", help="remove every cached object from every tier")
     clear.add_argument("--url", default="http://127.0.0.1:8080", help="the server's HTTP address")
     clear.add_argument("--token", default=None, help="admin token (or env KVTIER_ADMIN_TOKEN)")
+    keys = commands.add_parser("keys", help="CurveZMQ keys for a data port other hosts reach")
+    generate = keys.add_subparsers(dest="action", required=True).add_parser(
+        "generate", help="write NAME.key (public) and NAME.key_secret (key pair), both mode 0600")
+    generate.add_argument("name", help="file name for the pair, e.g. the host's name")
+    generate.add_argument("--dir", default=".", help="folder to write them in (made 0700 if new)")
     proxy = commands.add_parser("pd-proxy", help="OpenAI-compatible front for prefill and decode instances")
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (http://host:port)")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (http://host:port)")
@@ -153,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "pd-proxy":
         return _pd_proxy(args, proxy)
+    if args.command == "keys":
+        return _generate_keys(args, generate)
     try:
         if args.command == "server":
             return _server(args, server)

@@ -7,7 +7,9 @@ than ``timeout_s``. After a failure it waits ``backoff`` before asking again
 (calls meanwhile are instant misses), then reconnects by itself and says hello again.
 
 KV bytes go through the server's shared-memory arena when this process can map it (same host,
-same user) and as message frames otherwise.
+same user) and as message frames otherwise. A server other hosts can reach requires CurveZMQ
+(wire/curve.py): give the client its key pair and the server's public key. A client without the
+right key is refused in the handshake, which looks like a server that never answers: misses.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvtier.events import CacheEvent
 from kvtier.keys import ChunkSpan
 from kvtier.keystore import Lease, Located, Reservation
 from kvtier.wire import protocol as p
+from kvtier.wire.curve import ClientKeys
 from kvtier.wire.shm import ARENA_OFFSET, SharedArena
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,11 @@ class KvtierClient:
         timeout_s: float = 1.0,
         use_shared_memory: bool = True,
         admin_token: str = "",
+        curve_secret_key: str | None = None,
+        curve_server_key: str | None = None,
     ) -> None:
+        """``curve_secret_key``: this client's key pair file (NAME.key_secret, mode 0600);
+        ``curve_server_key``: the server's public key file (NAME.key). Both or neither."""
         if not url.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"server url must start with tcp:// or ipc://, got {url!r}")
         if not timeout_s > 0:
@@ -67,6 +74,7 @@ class KvtierClient:
         self.timeout_s = timeout_s
         self.use_shared_memory = use_shared_memory
         self.admin_token = admin_token
+        self.curve = ClientKeys.load(curve_secret_key, curve_server_key)
         self.stats = ClientStats()
         self.chunk_size: int | None = None  # learned from the server's hello
         self._arena: SharedArena | None = None
@@ -85,6 +93,8 @@ class KvtierClient:
         """A fresh REQ socket and a hello (a timed-out REQ socket cannot be reused)."""
         sock = self._context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.connect(self.url)
         self._socket = sock
         hello = self._roundtrip(p.Hello(client=f"pid-{threading.get_native_id()}"), (), deadline)[0]

@@ -13,6 +13,7 @@ from kvtier.errors import ConfigError
 from kvtier.schema import PositiveSeconds, convert, json_object
 from kvtier.tiers.memory import L1Config
 from kvtier.tiers.registry import ADAPTER_TYPES, Adapter, tier_ids
+from kvtier.wire.curve import is_loopback
 
 
 def _meta(description: str, **extra) -> msgspec.Meta:
@@ -72,6 +73,30 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     admin_token: Annotated[str, _meta("token for admin actions such as clear", env="KVTIER_ADMIN_TOKEN")] = ""
     log_level: Annotated[LogLevel, _meta("DEBUG, INFO, WARNING, ERROR or CRITICAL", env="KVTIER_LOG_LEVEL")] = "INFO"
     lease_timeout_s: Annotated[PositiveSeconds, _meta("read leases and reservations expire after this")] = 30.0
+    curve: Annotated[bool, _meta(
+        "require CurveZMQ (authenticated, encrypted) on the data port; implied by a --host other than loopback"
+    )] = False
+    curve_secret_key: Annotated[str | None, _meta(
+        "the server's CurveZMQ key pair file (NAME.key_secret, mode 0600; written by kvtier keys generate)"
+    )] = None
+    curve_clients_dir: Annotated[str | None, _meta(
+        "folder of the public keys (NAME.key) of the clients allowed on the data port"
+    )] = None
+
+    def __post_init__(self) -> None:
+        """Checked before anything binds: a data port others can reach never runs open."""
+        if self.uses_curve and (self.curve_secret_key is None or self.curve_clients_dir is None):
+            why = "--curve" if is_loopback(self.host) else f"a data port on {self.host} (not loopback)"
+            raise ConfigError(
+                f"{why} requires CurveZMQ keys: give --curve-secret-key and --curve-clients-dir "
+                "(kvtier keys generate writes key pairs; docs/security.md)"
+            )
+
+    @property
+    def uses_curve(self) -> bool:
+        """CurveZMQ on the data port: asked for, implied by the host, or keys given."""
+        keys = (self.curve_secret_key, self.curve_clients_dir)
+        return self.curve or not is_loopback(self.host) or any(k is not None for k in keys)
     tokenizers: Annotated[list[TokenizerSource], _meta(
         'a model\'s tokenizer for /api/lookup with text, repeatable, e.g. \'{"model":"llama","path":"/models/llama"}\'',
         flag="--tokenizer",

@@ -26,6 +26,7 @@ from kvtier.server.http import HttpServer, create_app
 from kvtier.server.lookup import LookupApi, Tokenizers
 from kvtier.server.service import CacheService
 from kvtier.build import build_store
+from kvtier.wire.curve import ServerKeys
 from kvtier.wire.shm import SharedArena
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,15 @@ MAX_FRAME_BYTES = 1 << 32
 STOP_DEADLINE_S = 4.0
 #: The exit status after a stop that the watchdog had to end (0 after a complete one).
 EXIT_STOP_OVERRUN = 1
+#: Monitor events of a peer turned away during the handshake (no or a wrong CurveZMQ key).
+_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class KvtierServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        # keys first: a missing or too open key file stops the start before anything is made
+        self.curve = ServerKeys.load(config.curve_secret_key, config.curve_clients_dir) if config.uses_curve else None
         l1_bytes = int(config.store.l1.size_gb * (1 << 30)) // 4096 * 4096
         self.arena = SharedArena.create(l1_bytes)
         try:
@@ -53,6 +58,7 @@ class KvtierServer:
             self.arena.close(unlink=True)
             raise
         self._clients = 0
+        self._refused = 0
         self.metrics = ServerMetrics(self.store, lambda: self._clients)
         self.service = CacheService(
             self.store,
@@ -60,7 +66,8 @@ class KvtierServer:
             self.metrics,
             lease_timeout_s=config.lease_timeout_s,
             admin_token=config.admin_token,
-            status_extra=lambda: {"config": config.redacted(), "connected_clients": self._clients},
+            status_extra=lambda: {"config": config.redacted(), "connected_clients": self._clients,
+                                  "curve": self.curve is not None, "refused_peers": self._refused},
         )
         self._ready = threading.Event()
         self._stopping = threading.Event()
@@ -70,6 +77,7 @@ class KvtierServer:
         self._threads: list[threading.Thread] = []  # those that stop on ``_stopping``
         self._control: zmq.Socket | None = None  # set once serving
         self.http: HttpServer | None = None
+        self._authenticator = None  # the ZAP handler, while CurveZMQ is on
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -82,6 +90,9 @@ class KvtierServer:
         if ":" in self.config.host:
             frontend.setsockopt(zmq.IPV6, 1)
         try:
+            if self.curve is not None:
+                self._authenticator = self.curve.authenticator(self._context)  # before a peer can knock
+                self.curve.apply(frontend)
             frontend.bind(f"tcp://{host}:{self.config.port}")
             lookup = LookupApi(self.store, self.metrics, Tokenizers(self.config.tokenizers))
             self.http = HttpServer(create_app(self.service, self.metrics, self._ready.is_set, lookup),
@@ -90,7 +101,7 @@ class KvtierServer:
             frontend.close(linger=0)
             self.stop()
             raise
-        monitor = frontend.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        monitor = frontend.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _REFUSED)
         backend = self._context.socket(zmq.DEALER)
         backend.bind(_WORKERS)
         control = self._context.socket(zmq.PAIR)
@@ -103,9 +114,9 @@ class KvtierServer:
             self._threads.append(self._spawn(f"kvtier-worker-{i}", self._worker))
         self.http.start()
         self._ready.set()
-        log.info("kvtier server ready: data tcp://%s:%d, http %s:%d, shared memory %s",
-                 self.config.host, self.config.port, self.config.http_host, self.http.port,
-                 self.arena.path or "off")
+        log.info("kvtier server ready: data tcp://%s:%d (CurveZMQ %s), http %s:%d, shared memory %s",
+                 self.config.host, self.config.port, "on" if self.curve else "off", self.config.http_host,
+                 self.http.port, self.arena.path or "off")
 
     def stop(self, deadline_s: float = STOP_DEADLINE_S) -> bool:
         """Stop serving and release everything, waiting for the threads until ``deadline_s`` from
@@ -128,6 +139,8 @@ class KvtierServer:
                 self._stopping.set()
                 stopped = self._join(self._threads, deadline) and stopped
             self.store.close()
+            if self._authenticator is not None:
+                self._authenticator.stop()
             if stopped:
                 self._context.term()
         finally:
@@ -175,7 +188,13 @@ class KvtierServer:
                     event = recv_monitor_message(monitor)["event"]
                 except zmq.Again:
                     continue
-                self._clients += 1 if event == zmq.EVENT_ACCEPTED else -1
+                if event & _REFUSED:
+                    self._refused += 1  # its disconnection follows
+                    if self._refused & (self._refused - 1) == 0:  # 1, 2, 4, 8...: a scan cannot flood the log
+                        log.warning("data port: refused a peer without an allowed CurveZMQ key (%d so far)",
+                                    self._refused)
+                else:
+                    self._clients += 1 if event == zmq.EVENT_ACCEPTED else -1
         finally:
             monitor.close()
 
