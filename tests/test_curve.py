@@ -184,3 +184,24 @@ def test_two_servers_admit_the_allowed_key_only_and_refused_peers_disturb_nobody
     assert slowest < 1.0 and len(intruder_results) >= 20 and all(refused), (slowest, refused)
     assert {what for what, result in intruder_results if result} == set(), "an intruder got an answer"
 
+
+def test_the_connector_config_gives_the_engine_its_keys(keys):
+    from kvtier.integrations.vllm.config import parse_extra_config
+    from kvtier.integrations.vllm.keystores import close_cache, open_cache
+
+    server = KvtierServer(convert(base_config(curve=True, curve_secret_key=str(keys["server1_secret"]),
+                                              curve_clients_dir=str(keys["allowed"])), ServerConfig))
+    server.start()
+    try:
+        extra = {"kvtier.url": f"tcp://127.0.0.1:{server.config.port}", "kvtier.timeout_s": 5}
+        keyed = {**extra, "kvtier.curve_secret_key": str(keys["engine_secret"]),
+                 "kvtier.curve_server_key": str(keys["server1"])}
+        toks = tokens(7_000, 64)
+        cache = open_cache(parse_extra_config(keyed))
+        assert cache.store(NS, toks, fill_for(toks)) == 4 and cache.lookup(NS, toks).hit_tokens == 64
+        close_cache(cache)
+        keyless = open_cache(parse_extra_config({**extra, "kvtier.timeout_s": 0.3}))
+        assert keyless.lookup(NS, toks).hit_tokens == 0  # refused: a miss, never an error
+        close_cache(keyless)
+    finally:
+        server.stop()

@@ -77,6 +77,8 @@ PROMPTS = {
         ({"kvtier.urll": "tcp://127.0.0.1:1"}, "unknown kvtier connector keys ['kvtier.urll']"),
         ({"kvtier.url": "tcp://127.0.0.1:1", "kvtier.l1_size_gb": 1}, "the server owns the tiers"),
         ({"kvtier.timeout_s": 2}, "only apply in server mode"),
+        ({"kvtier.curve_secret_key": "/k/e.key_secret", "kvtier.curve_server_key": "/k/s.key"}, "only apply in server mode"),
+        ({"kvtier.url": "tcp://h:1", "kvtier.curve_secret_key": "/k/e.key_secret"}, "are given together"),
         ({"kvtier.url": "http://127.0.0.1:1"}, "tcp:// or ipc://"),
         ({"kvtier.l1_size_gb": 0}, "kvtier.l1_size_gb"),
         ({"kvtier.l2_adapters": [{"type": "fs"}]}, "base_path"),

@@ -34,6 +34,11 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Longest a lookup, load or store waits for the server; past it, a miss (or a dropped store)."""
     shared_memory: bool = True
     """Move KV through the server's shared-memory arena when this host can map it."""
+    curve_secret_key: str | None = None
+    """This engine's CurveZMQ key pair file (``NAME.key_secret``, mode 0600), for a server that
+    requires CurveZMQ (one other hosts can reach: docs/security.md)."""
+    curve_server_key: str | None = None
+    """That server's public key file (``NAME.key``); given with ``curve_secret_key``."""
     # -- embedded mode
     store: Annotated[StoreConfig, msgspec.Meta(extra={"prefix": ""})] = msgspec.field(
         default_factory=lambda: StoreConfig(l1=L1Config(size_gb=1.0))
@@ -54,6 +59,8 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def __post_init__(self) -> None:
         if self.url is not None and not self.url.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"{PREFIX}url must start with tcp:// or ipc://, got {self.url!r}")
+        if (self.curve_secret_key is None) != (self.curve_server_key is None):
+            raise ConfigError(f"{PREFIX}curve_secret_key and {PREFIX}curve_server_key are given together")
 
     @property
     def server_mode(self) -> bool:
@@ -71,7 +78,7 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 #: the ``kvtier.*`` keys (all but ``role``, which is vLLM's ``kv_role``)
 _KEYS = {option.key: option for option in options(ConnectorConfig) if option.key != "role"}
-_SERVER_ONLY = {"timeout_s", "shared_memory"}
+_SERVER_ONLY = {"timeout_s", "shared_memory", "curve_secret_key", "curve_server_key"}
 
 
 def parse_extra_config(extra: dict[str, Any] | None, role: str | None = "kv_both") -> ConnectorConfig:

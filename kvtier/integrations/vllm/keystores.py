@@ -27,7 +27,10 @@ _shared_stores: dict[bytes, list] = {}  # config -> [store, users]
 def open_cache(config: ConnectorConfig) -> TokenCache:
     """A token cache over the configured key store; hand it to ``close_cache`` when done."""
     if config.url is not None:
-        return TokenCache(KvtierClient(config.url, timeout_s=config.timeout_s, use_shared_memory=config.shared_memory))
+        return TokenCache(KvtierClient(
+            config.url, timeout_s=config.timeout_s, use_shared_memory=config.shared_memory,
+            curve_secret_key=config.curve_secret_key, curve_server_key=config.curve_server_key,
+        ))
     from kvtier.build import build_store
 
     key = msgspec.json.encode(config.store)
