@@ -1,4 +1,6 @@
-"""A tiny Llama model with random weights and a locally trained tokenizer, for tests and demos.
+"""Tiny models with random weights and a locally trained tokenizer, for tests and demos: a Llama
+by default, or one of ``FAMILIES`` (sliding-window, chunked-local, hybrid GDN/Mamba2, MLA...),
+each built from the same recipe so that every KV-cache group kind vLLM builds can be tested.
 
 No model hub is needed: the tokenizer is a byte-level BPE trained with the ``tokenizers`` library
 on generated English-like text, and the weights are a seeded random initialisation. The folder is
@@ -6,6 +8,7 @@ a normal Hugging Face model folder, loadable offline by ``AutoTokenizer``,
 ``AutoModelForCausalLM`` and vLLM::
 
     path = build_tiny_model()             # under kvtier_testing.cache_dir()
+    path = build_tiny_model(family="sliding_mixed")
     model = AutoModelForCausalLM.from_pretrained(path)
 
 Building is idempotent: a folder that holds a complete build with the same parameters is reused;
@@ -21,6 +24,7 @@ import os
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,89 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "initializer_range": 0.05,
     "tie_word_embeddings": False,
 }
+
+_ATTENTION = {k: DEFAULT_CONFIG[k] for k in (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "vocab_size", "rms_norm_eps", "initializer_range", "tie_word_embeddings",
+)}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family vLLM caches differently (its KV-cache groups): a transformers config and
+    model class, the dtype it runs in on vLLM's CPU build, and a tiny config of that class."""
+
+    name: str
+    config_class: str
+    model_class: str
+    config: dict[str, Any]
+    dtype: str = "float32"
+    #: What the family is for when vLLM's CPU build cannot serve it as a test engine.
+    note: str = ""
+
+    @property
+    def folder(self) -> str:
+        return DEFAULT_NAME if self.name == "llama" else f"tiny-{self.name}"
+
+
+#: Every family, by name. Each is 4 layers with hidden size 256 so that a prompt of a few
+#: thousand tokens prefills in about a second on one CPU core.
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", "LlamaConfig", "LlamaForCausalLM", DEFAULT_CONFIG),
+    # One SlidingWindowSpec group.
+    Family("sliding", "MistralConfig", "MistralForCausalLM",
+           {**DEFAULT_CONFIG, "sliding_window": 256}),
+    # Sliding-window and full-attention layers: two groups.
+    Family("sliding_mixed", "Gemma3TextConfig", "Gemma3ForCausalLM", {
+        **DEFAULT_CONFIG, "sliding_window": 256, "query_pre_attn_scalar": 64,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    }),
+    # Chunked-local attention on the RoPE layers (no_rope_layers 1), full on the NoPE one:
+    # 3 chunked + 1 full. Dense (no MoE layer).
+    Family("chunked_local", "Llama4TextConfig", "Llama4ForCausalLM", {
+        **_ATTENTION, "intermediate_size": 512, "intermediate_size_mlp": 512,
+        "attention_chunk_size": 256, "no_rope_layers": [1, 1, 1, 0],
+        "interleave_moe_layer_step": 0, "moe_layers": [], "num_local_experts": 1,
+    }),
+    # Gated-DeltaNet (linear attention, a Mamba-like state group) alternating with full
+    # attention. vLLM's CPU GDN kernels need bfloat16; vLLM's Qwen3-Next needs an MoE layer.
+    Family("hybrid_gdn", "Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        **_ATTENTION, "intermediate_size": 512,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128, "mlp_only_layers": [],
+    }, dtype="bfloat16"),
+    # Multi-head latent attention: one MLAAttentionSpec group (latent 512 + rope 64). Dense.
+    Family("mla", "DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        **_ATTENTION, "intermediate_size": 512, "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "first_k_dense_replace": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+    }),
+    # Sliding (window 128) and full layers with a 4-expert, top-2 MoE.
+    Family("gpt_oss", "GptOssConfig", "GptOssForCausalLM", {
+        **_ATTENTION, "intermediate_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    }),
+    # Mamba2 layers (MAMBA2 state group) with attention layers.
+    Family("mamba2_hybrid", "NemotronHConfig", "NemotronHForCausalLM", {
+        **_ATTENTION, "intermediate_size": 512, "hybrid_override_pattern": "M*M-",
+        "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 64, "n_groups": 1,
+        "conv_kernel": 4, "chunk_size": 256,
+    }, note="vLLM's CPU build runs it only with prefix caching off: for unit-level use"),
+)}
+
+
+def family_spec(name: str) -> Family:
+    """The family called ``name``, or a ValueError that lists the known ones."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}") from None
+
 
 # -- generated English-like text ---------------------------------------------------------------
 
@@ -151,22 +238,27 @@ def _is_complete(path: Path, recipe: dict) -> bool:
     return marker == recipe and has_weights and all((path / name).exists() for name in needed)
 
 
-def build_tiny_model(path: Path | str | None = None, seed: int = 0, **config_overrides: Any) -> Path:
-    """Create (or reuse) a tiny random Llama model folder at ``path`` (default: ``tiny-llama``
-    under ``cache_dir()``) and return its path.
+def build_tiny_model(
+    path: Path | str | None = None, seed: int = 0, family: str = "llama", **config_overrides: Any
+) -> Path:
+    """Create (or reuse) a tiny random model folder of ``family`` (a key of ``FAMILIES``) at
+    ``path`` (default: ``tiny-<family>`` under ``cache_dir()``) and return its path.
 
-    ``config_overrides`` replace entries of ``DEFAULT_CONFIG`` (hidden_size, num_hidden_layers,
-    vocab_size, ...). The same ``seed`` and overrides always give the same weights and tokenizer.
+    ``config_overrides`` replace entries of the family's config (hidden_size, num_hidden_layers,
+    vocab_size, ...). The same family, ``seed`` and overrides always give the same weights and
+    tokenizer.
     """
-    path = Path(path) if path is not None else cache_dir(DEFAULT_NAME)
-    config_kwargs = {**DEFAULT_CONFIG, **config_overrides}
-    recipe = {"build_version": BUILD_VERSION, "seed": seed, "config": config_kwargs}
+    spec = family_spec(family)
+    path = Path(path) if path is not None else cache_dir(spec.folder)
+    config_kwargs = {**spec.config, **config_overrides}
+    recipe = {"build_version": BUILD_VERSION, "seed": seed, "family": spec.name, "config": config_kwargs}
     if _is_complete(path, recipe):
         return path
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    import transformers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -183,17 +275,18 @@ def build_tiny_model(path: Path | str | None = None, seed: int = 0, **config_ove
         )
         tokenizer.save_pretrained(tmp)
 
-        config = LlamaConfig(
+        config = getattr(transformers, spec.config_class)(
             **config_kwargs,
             bos_token_id=BOS_ID,
             eos_token_id=EOS_ID,
             pad_token_id=PAD_ID,
-            architectures=["LlamaForCausalLM"],
-            dtype="float32",
+            architectures=[spec.model_class],
+            dtype=spec.dtype,
         )
+        torch_dtype = getattr(torch, spec.dtype)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = LlamaForCausalLM(config).to(torch.float32).eval()
+            model = getattr(transformers, spec.model_class)(config).to(torch_dtype).eval()
         model.generation_config = GenerationConfig(
             bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
         )
@@ -202,8 +295,8 @@ def build_tiny_model(path: Path | str | None = None, seed: int = 0, **config_ove
         # Older readers (vLLM among them) look for ``torch_dtype``; newer transformers write ``dtype``.
         config_file = tmp / "config.json"
         saved = json.loads(config_file.read_text())
-        saved.setdefault("torch_dtype", "float32")
-        saved.setdefault("dtype", "float32")
+        saved.setdefault("torch_dtype", spec.dtype)
+        saved.setdefault("dtype", spec.dtype)
         config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
         (tmp / _MARKER).write_text(json.dumps(recipe, indent=2, sort_keys=True) + "\n")
