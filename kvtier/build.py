@@ -37,4 +37,5 @@ def build_store(config: StoreConfig, l1_buffer=None) -> TieredStore:
         for tier in tiers:  # a disk tier holds its directory's lock until closed
             tier.close()
         raise
-    return TieredStore(tiers[0], tiers[1:], chunk_size=config.chunk_size)
+    return TieredStore(tiers[0], tiers[1:], chunk_size=config.chunk_size,
+                       write_admission=[adapter.write_admission for adapter in config.l2_adapters])

@@ -122,4 +122,9 @@ class _StoreCollector:
         failed.add_metric([], stats.failed_writes)
         promotions = CounterMetricFamily("kvtier_promotions", "Objects promoted from a lower tier into L1")
         promotions.add_metric([], stats.promotions)
-        return [usage, capacity, objects, evictions, corrupt, errors, rejected, healthy, dropped, failed, promotions]
+        held_back = CounterMetricFamily(
+            "kvtier_held_back_writes", "Chunks stored in L1 and kept off a lower tier by its write admission"
+        )
+        held_back.add_metric([], stats.held_back_writes)
+        return [usage, capacity, objects, evictions, corrupt, errors, rejected, healthy, dropped, failed, promotions,
+                held_back]

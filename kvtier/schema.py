@@ -22,7 +22,9 @@ Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
 NonNegativeFraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 PositiveGB = Annotated[float, msgspec.Meta(gt=0)]
 PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
-EvictionPolicyName = Literal["LRU", "FIFO", "LFU"]
+EvictionPolicyName = Literal["LRU", "FIFO", "LFU", "COST"]
+AdmissionName = Literal["none", "tinylfu"]
+WindowShare = Annotated[float, msgspec.Meta(gt=0, lt=1)]
 
 
 def convert(data: object, schema: type) -> object:

@@ -6,7 +6,11 @@ lower tiers.
     acquire:  that prefix as pinned views; lower-tier hits are checked and promoted into L1
 
 Writes below L1 never block the caller: they go through a queue bounded in bytes, and when it is
-full the write is dropped and counted. An object is visible only once its slot is committed, and
+full the write is dropped and counted. Each lower tier has a write admission (write_admission.py):
+every chunk, or only chunks seen twice, so that one-off documents never reach it.
+
+Every lookup teaches the store where each chunk of the prompt sits and what precedes it
+(``Lineage``, shared with the tiers): the cost-aware policy weighs chunks by it. An object is visible only once its slot is committed, and
 a lookup stops at the first missing chunk, so a store that failed part-way is never seen. The
 token level (chunking, the layout check, fill-and-seal) is ``kvtier.cache.TokenCache``'s.
 """
@@ -23,7 +27,9 @@ from kvtier.events import CacheEvent
 from kvtier.keys import ChunkSpan
 from kvtier.keystore import Lease, Located, Reservation
 from kvtier.tiers.base import Tier
+from kvtier.tiers.lineage import Lineage
 from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.write_admission import WriteAdmission
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,7 @@ class StoreStats:
     dropped_writes: int = 0  # lower-tier write queue full
     failed_writes: int = 0  # a lower tier refused or failed
     promotions: int = 0
+    held_back_writes: int = 0  # chunks stored in L1 and kept off a lower tier (write admission)
 
 
 class TieredStore:
@@ -43,17 +50,25 @@ class TieredStore:
         lower: Sequence[Tier] = (),
         chunk_size: int = 256,
         write_queue_bytes: int | None = None,
+        write_admission: Sequence[str] = (),
     ) -> None:
         """``write_queue_bytes`` bounds the L1 bytes pinned by pending lower-tier writes
-        (default: a quarter of L1, so eviction always has room to work)."""
+        (default: a quarter of L1, so eviction always has room to work); ``write_admission``:
+        per lower tier, which chunks are written there (write_admission.py; default ``all``)."""
         self.l1 = l1
         self.lower = list(lower)
         self.chunk_size = chunk_size
         self.stats = StoreStats()
+        if len(write_admission) > len(self.lower):
+            raise ValueError(f"{len(write_admission)} write admissions for {len(self.lower)} lower tiers")
+        self.write_admission = WriteAdmission([*write_admission, *["all"] * (len(self.lower) - len(write_admission))])
+        self.lineage = Lineage()
+        for tier in self.tiers:
+            tier.lineage = self.lineage
         self._queue_limit = write_queue_bytes if write_queue_bytes is not None else l1.capacity // 4
         self._queued_bytes = 0
         self._queue_lock = threading.Lock()
-        self._queue: queue.Queue[Lease | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Lease, list[Tier]] | None] = queue.Queue()
         self._writer = None
         if self.lower:
             self._writer = threading.Thread(target=self._write_below, name="kvtier-writer", daemon=True)
@@ -77,6 +92,7 @@ class TieredStore:
         return True
 
     def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = ()) -> Located:
+        self.lineage.note_chain(spans)
         tiers = self._locate([s.key for s in spans])
         candidates = partials[len(tiers)] if len(tiers) < len(partials) else ()
         for index, span in enumerate(candidates):
@@ -104,7 +120,11 @@ class TieredStore:
         lower-tier hits into L1. Hand the list back to ``release`` when done."""
         leases = []
         for key in keys:
-            lease = self.l1.lease(key) or self._promote(key)
+            lease = self.l1.lease(key)
+            if lease is not None:
+                self._seen(key, committed=False)
+            else:
+                lease = self._promote(key)
             if lease is None:
                 break
             if checksum:  # objects read from lower tiers carry theirs already
@@ -132,7 +152,7 @@ class TieredStore:
         """Make filled, sealed slots visible and queue their writes to the lower tiers."""
         for reservation in reservations:
             self.l1.commit(reservation)
-            self._queue_write(reservation.key)
+            self._seen(reservation.key, committed=True)
         return [True] * len(reservations)
 
     def abort(self, reservations: Sequence[Reservation]) -> None:
@@ -162,13 +182,23 @@ class TieredStore:
             return Lease(key, view.toreadonly(), pinned=False)
         self.l1.commit(reservation)
         self.stats.promotions += 1
+        self.write_admission.promoted(key)
         return self.l1.lease(key)  # None only if evicted right away: a miss, never stale bytes
 
     # -- writes below L1 ---------------------------------------------------------------------
 
-    def _queue_write(self, key: bytes) -> None:
+    def _seen(self, key: bytes, committed: bool) -> None:
+        """A sighting of a chunk held in L1 (just stored, or read): write it to the lower tiers
+        whose write admission lets it in now."""
         if self._writer is None:
             return
+        due = [tier for tier, now in zip(self.lower, self.write_admission.due(key, committed)) if now]
+        if committed and len(due) < len(self.lower):
+            self.stats.held_back_writes += 1
+        if due:
+            self._queue_write(key, due)
+
+    def _queue_write(self, key: bytes, tiers: list[Tier]) -> None:
         lease = self.l1.lease(key)
         if lease is None:
             return
@@ -179,13 +209,14 @@ class TieredStore:
                 return
             self._queued_bytes += len(lease.view)
         self.stats.queued_writes += 1
-        self._queue.put(lease)
+        self._queue.put((lease, tiers))
 
     def _write_below(self) -> None:
-        while (lease := self._queue.get()) is not None:
+        while (job := self._queue.get()) is not None:
+            lease, tiers = job
             try:
                 self.l1.ensure_sealed(lease)
-                for tier in self.lower:
+                for tier in tiers:
                     if not self._put(tier, lease.key, lease.view):
                         self.stats.failed_writes += 1
             finally:

@@ -41,11 +41,16 @@ class Harness:
     overshoot: int = 0  # bytes a medium that bounds itself may pass its capacity by, for a moment
 
 
-def _memory(request, tmp_path, wrap) -> Harness:
-    return Harness(make=lambda capacity_bytes=None: wrap(MemoryTier(capacity_bytes or ROOMY)), corrupt=None)
+#: the cost-aware policy behind a TinyLFU admission window: what a tier promises holds whatever
+#: orders its victims (docs/policies.md)
+POLICIES = {"eviction_policy": "COST", "admission": "tinylfu"}
 
 
-def _disk(request, tmp_path, wrap) -> Harness:
+def _memory(request, tmp_path, wrap, **policy) -> Harness:
+    return Harness(make=lambda capacity_bytes=None: wrap(MemoryTier(capacity_bytes or ROOMY, **policy)), corrupt=None)
+
+
+def _disk(request, tmp_path, wrap, **policy) -> Harness:
     base = tmp_path / "disk"
 
     def corrupt(k: bytes) -> None:
@@ -54,7 +59,8 @@ def _disk(request, tmp_path, wrap) -> Harness:
         data[-1] ^= 0xFF
         path.write_bytes(data)
 
-    return Harness(make=lambda capacity_bytes=None: wrap(DiskTier(base, max_capacity_bytes=capacity_bytes or ROOMY)),
+    return Harness(make=lambda capacity_bytes=None: wrap(DiskTier(base, max_capacity_bytes=capacity_bytes or ROOMY,
+                                                                  **policy)),
                    corrupt=corrupt)
 
 
@@ -136,7 +142,15 @@ def _s3(request, tmp_path, wrap) -> Harness:
     return Harness(make=make, corrupt=corrupt)
 
 
-MEDIA = {"memory": _memory, "disk": _disk, "redis": _redis, "redis-cluster": _redis_cluster, "s3": _s3}
+MEDIA = {
+    "memory": _memory,
+    "disk": _disk,
+    "redis": _redis,
+    "redis-cluster": _redis_cluster,
+    "s3": _s3,
+    "memory_cost_tinylfu": lambda *args: _memory(*args, **POLICIES),
+    "disk_cost_tinylfu": lambda *args: _disk(*args, **POLICIES),
+}
 CODECS = ("raw", "zstd")
 
 
@@ -144,10 +158,10 @@ def cases(*media: str) -> list:
     return [pytest.param((m, c), id=f"{m}-{c}") for m in media for c in CODECS]
 
 
-ALL = cases("memory", "disk", "redis", "redis-cluster", "s3")
-PERSISTENT = cases("disk", "redis", "redis-cluster", "s3")
-READ_FROM_A_MEDIUM = cases("disk", "redis", "redis-cluster", "s3")  # objects read back are checked (memory holds its own)
-EVICTING_HERE = cases("memory", "disk", "s3")  # Redis evicts by itself, unseen (docs/architecture.md)
+ALL = cases("memory", "disk", "redis", "redis-cluster", "s3", "memory_cost_tinylfu", "disk_cost_tinylfu")
+PERSISTENT = cases("disk", "redis", "redis-cluster", "s3", "disk_cost_tinylfu")
+READ_FROM_A_MEDIUM = cases("disk", "redis", "redis-cluster", "s3", "disk_cost_tinylfu")  # memory holds its own
+EVICTING_HERE = cases("memory", "disk", "s3", "memory_cost_tinylfu", "disk_cost_tinylfu")  # Redis evicts unseen
 
 
 @pytest.fixture

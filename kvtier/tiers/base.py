@@ -29,6 +29,8 @@ from kvtier.codecs import codec_by_name
 from kvtier.errors import ConfigError, ObjectError
 from kvtier.events import CacheEvent, EventLog, Medium
 from kvtier.objects import ObjectHeader, check_object
+from kvtier.tiers.lineage import Lineage
+from kvtier.tiers.write_admission import WriteAdmissionName
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,7 @@ class Tier(ABC):
         self.name = name or self.medium.value  # the tier's unique id in its store
         self.stats = TierStats()
         self.events = EventLog()
+        self.lineage = Lineage()  # what is known of each chunk's place in its prompt; a store shares its own
 
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
@@ -195,6 +198,10 @@ class AdapterConfig(msgspec.Struct, tag_field="type", forbid_unknown_fields=True
     """Tells two tiers of one medium apart: the tier's id becomes ``<medium>-<name>``."""
     codec: str = "raw"
     """Codec of the stored objects (``raw``, ``zstd``, ``int8``); any medium takes any codec."""
+    write_admission: WriteAdmissionName = "adaptive"
+    """Which chunks stored in L1 are written to this tier: ``all``, ``second_sighting`` (once
+    seen twice: one-off documents never reach the tier) or ``adaptive`` (second sighting while
+    few chunks held back come back); see write_admission.py and docs/policies.md."""
 
     medium: ClassVar[Medium]
 

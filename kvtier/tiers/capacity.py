@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.tiers.eviction import EvictionPolicy
+from kvtier.tiers.lineage import ChunkInfo
 
 
 @dataclass(eq=False)
@@ -53,10 +54,10 @@ class CapacityBook:
     def unreserve(self, size: int) -> None:
         self.used -= size
 
-    def add(self, key: bytes, size: int, reserved: bool = False) -> Entry:
+    def add(self, key: bytes, size: int, reserved: bool = False, info: ChunkInfo | None = None) -> Entry:
         """Index an object (newest for the policy); ``reserved``: its room was reserved."""
         entry = self._entries[key] = Entry(size)
-        self.policy.inserted(key)
+        self.policy.inserted(key, size, info)
         if not reserved:
             self.used += size
         return entry

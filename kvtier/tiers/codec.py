@@ -16,12 +16,13 @@ from kvtier.codecs import Codec
 from kvtier.errors import ObjectError
 from kvtier.objects import HEADER_SIZE, check_object, object_size, reseal
 from kvtier.tiers.base import Tier, TierUsage
+from kvtier.tiers.lineage import Lineage
 
 
 class CodecTier(Tier):
     def __init__(self, inner: Tier, codec: Codec) -> None:
+        self.inner = inner  # first: Tier.__init__ sets the lineage, which is the inner tier's
         super().__init__(inner.name)
-        self.inner = inner
         self.codec = codec
         self.medium = inner.medium
         self.stats = inner.stats  # one set of counters and one event log per tier, whatever wraps it
@@ -29,6 +30,14 @@ class CodecTier(Tier):
         self.stats.extra["encoded_objects"] = 0
         self.stats.extra["encoded_raw_bytes"] = 0  # what the encoded objects took before
         self.stats.extra["encoded_bytes"] = 0  # and after
+
+    @property
+    def lineage(self) -> Lineage:
+        return self.inner.lineage
+
+    @lineage.setter
+    def lineage(self, lineage: Lineage) -> None:
+        self.inner.lineage = lineage
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         encoded = [(key, self._encode(key, data)) for key, data in items]

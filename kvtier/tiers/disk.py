@@ -32,7 +32,7 @@ import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.events import Medium
-from kvtier.schema import GB, EvictionPolicyName, PositiveGB
+from kvtier.schema import GB, AdmissionName, EvictionPolicyName, PositiveGB, WindowShare
 from kvtier.tiers.arena import ALIGNMENT, align_up
 from kvtier.tiers.base import AdapterConfig, Tier, TierUsage
 from kvtier.tiers.capacity import CapacityBook
@@ -65,6 +65,8 @@ class FsAdapterConfig(AdapterConfig, tag="fs"):
     max_capacity_gb: PositiveGB | None = None
     use_odirect: bool = False
     eviction_policy: EvictionPolicyName = "LRU"
+    admission: AdmissionName = "none"
+    admission_window: WindowShare = 0.01
 
     def build(self, name: str) -> DiskTier:
         return DiskTier(
@@ -72,6 +74,8 @@ class FsAdapterConfig(AdapterConfig, tag="fs"):
             max_capacity_bytes=None if self.max_capacity_gb is None else int(self.max_capacity_gb * GB),
             use_odirect=self.use_odirect,
             eviction_policy=self.eviction_policy,
+            admission=self.admission,
+            admission_window=self.admission_window,
             name=name,
         )
 
@@ -86,6 +90,8 @@ class DiskTier(Tier):
         use_odirect: bool = False,
         eviction_policy: str = "LRU",
         name: str | None = None,
+        admission: str = "none",
+        admission_window: float = 0.01,
     ) -> None:
         """``max_capacity_bytes`` None means what the existing cache uses plus half of the free
         space of the filesystem now: a disk tier is never unbounded."""
@@ -93,7 +99,7 @@ class DiskTier(Tier):
         capacity = max_capacity_bytes
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
             raise ConfigError(f"L2 capacity must be a positive number of bytes, got {max_capacity_bytes!r}")
-        self._book = CapacityBook(None, make_policy(eviction_policy))  # the capacity is set below
+        self._book = CapacityBook(None, make_policy(eviction_policy, admission, admission_window))  # the capacity is set below
         self.path = Path(base_path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -222,7 +228,7 @@ class DiskTier(Tier):
             return False
         with self._lock:
             self._writing.discard(key)
-            self._book.add(key, size, reserved=True)
+            self._book.add(key, size, reserved=True, info=self.lineage.get(key))
             self._io_failing = False
         self._stored(key, len(obj))
         return True

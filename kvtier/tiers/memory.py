@@ -18,7 +18,7 @@ from kvtier.errors import ConfigError
 from kvtier.events import Medium
 from kvtier.keystore import Lease, Reservation
 from kvtier.objects import ensure_sealed
-from kvtier.schema import GB, EvictionPolicyName, Fraction, NonNegativeFraction, PositiveGB
+from kvtier.schema import GB, AdmissionName, EvictionPolicyName, Fraction, NonNegativeFraction, PositiveGB, WindowShare
 from kvtier.tiers.arena import Allocator, align_up, allocate_buffer
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.eviction import make_policy
@@ -29,7 +29,12 @@ class L1Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     size_gb: Annotated[PositiveGB, msgspec.Meta(description="L1 memory in GiB, preallocated and touched at start")]
     eviction_policy: Annotated[EvictionPolicyName, msgspec.Meta(
-        description="which object L1 evicts first", extra={"aliases": ["--eviction-policy"]})] = "LRU"
+        description="which object L1 evicts first (docs/policies.md)", extra={"aliases": ["--eviction-policy"]})] = "COST"
+    admission: Annotated[AdmissionName, msgspec.Meta(
+        description="tinylfu: a new chunk keeps its place only if wanted more often than what it would evict "
+                    "(docs/policies.md)")] = "tinylfu"
+    admission_window: Annotated[WindowShare, msgspec.Meta(
+        description="with tinylfu: share of L1 where new chunks stay before admission decides")] = 0.01
     eviction_trigger_watermark: Annotated[Fraction, msgspec.Meta(
         description="a put that would take L1 past this share of its capacity evicts first",
         extra={"aliases": ["--eviction-trigger-watermark"]})] = 0.8
@@ -42,6 +47,8 @@ class L1Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return MemoryTier(
             int(self.size_gb * GB),
             eviction_policy=self.eviction_policy,
+            admission=self.admission,
+            admission_window=self.admission_window,
             eviction_trigger_watermark=self.eviction_trigger_watermark,
             eviction_ratio=self.eviction_ratio,
             buffer=buffer,
@@ -72,6 +79,8 @@ class MemoryTier(Tier):
         eviction_trigger_watermark: float = 0.8,
         eviction_ratio: float = 0.2,
         buffer=None,
+        admission: str = "none",
+        admission_window: float = 0.01,
     ) -> None:
         """``buffer`` lets a caller supply the arena (shared memory, say); by default it is
         anonymous memory of ``capacity_bytes``, touched up front."""
@@ -91,7 +100,7 @@ class MemoryTier(Tier):
             raise ConfigError(f"arena buffer is {len(self.buffer)} bytes, smaller than the capacity {capacity}")
         self._arena = memoryview(self.buffer)
         self._allocator = Allocator(capacity)
-        self._policy = make_policy(eviction_policy)
+        self._policy = make_policy(eviction_policy, admission, admission_window)
         self._trigger = eviction_trigger_watermark * capacity
         self._evict_extra = eviction_ratio * capacity
         self._slots: dict[bytes, _Slot] = {}
@@ -118,7 +127,7 @@ class MemoryTier(Tier):
         with self._lock:
             slot = self._slots[reservation.key]
             slot.committed = True
-            self._policy.inserted(reservation.key)
+            self._policy.inserted(reservation.key, slot.size, self.lineage.get(reservation.key))
             self._stored(reservation.key, slot.size)
 
     def abort(self, reservation: Reservation) -> None:

@@ -1,0 +1,90 @@
+"""How often a key was seen lately, in a few bytes per key: a count-min sketch behind a doorkeeper,
+aged by halving (the frequency half of TinyLFU, Einziger et al., "TinyLFU: A Highly Efficient Cache
+Admission Policy").
+
+- The **sketch** keeps ``depth`` rows of small counters (capped at 15, as TinyLFU's 4-bit ones); a
+  key's estimate is the smallest of its counters, which can only over-count.
+- The **doorkeeper** is a Bloom filter in front of it: a key's first sighting only sets its bits, so
+  the many keys seen once (one-shot documents, scans) never take counters from the ones seen again.
+- **Aging**: after ``sample_size`` sightings every counter is halved and the doorkeeper cleared, so
+  what was popular an hour ago does not outweigh what is popular now.
+
+Written here rather than taken from a library: the candidates on PyPI (pyprobables' CountMinSketch,
+count-min-sketch, countminsketch) have no halving, which is the whole point of the aged sketch, and
+hash every key in Python per row; this one hashes a key once (xxh3-128, split into row indexes).
+Not thread-safe: the owner calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+MAX_COUNT = 15
+_MASK64 = (1 << 64) - 1
+
+
+class FrequencySketch:
+    def __init__(self, expected_keys: int = 16, depth: int = 4, sample_factor: int = 10) -> None:
+        """Sized for ``expected_keys`` distinct keys at a time; ``ensure_capacity`` grows it with
+        what its owner holds (TinyLFU's sizing: the sketch ages once every ``sample_factor``
+        sightings per key held, so it remembers about as long as the cache does)."""
+        if depth < 1 or sample_factor < 1:
+            raise ValueError("depth and sample_factor must be positive")
+        self.depth = depth
+        self.sample_factor = sample_factor
+        self._resize(expected_keys)
+
+    def _resize(self, expected_keys: int) -> None:
+        self.keys = 1 << max(4, (max(expected_keys, 1) - 1).bit_length())
+        self.width = 4 * self.keys  # 16 counters per key over the rows, as Caffeine's sketch has
+        self._table = np.zeros((self.depth, self.width), dtype=np.uint8)
+        self.sample_size = self.sample_factor * self.keys
+        # the doorkeeper holds up to a sample's keys until it is cleared: 8 bits a key, 4 hashes
+        # (about 2 % false positives; a byte a bit, for numpy's speed)
+        self._door = np.zeros(8 * self.sample_size, dtype=bool)
+        self._sightings = 0
+
+    def ensure_capacity(self, keys: int) -> None:
+        """Grow for ``keys`` distinct keys (forgetting what was counted, as Caffeine's sketch does)."""
+        if keys > self.keys:
+            self._resize(keys)
+
+    def _hashes(self, key: bytes) -> tuple[int, int]:
+        h = xxhash.xxh3_128_intdigest(key)
+        return h & _MASK64, (h >> 64) | 1
+
+    def _door_bits(self, h1: int, h2: int) -> list[int]:
+        size = len(self._door)
+        return [(h2 + i * h1) % size for i in range(self.depth)]
+
+    def _cells(self, h1: int, h2: int) -> tuple[range, list[int]]:
+        mask = self.width - 1
+        return range(self.depth), [(h1 + i * h2) & mask for i in range(self.depth)]
+
+    def record(self, key: bytes) -> None:
+        """One sighting of ``key``."""
+        h1, h2 = self._hashes(key)
+        bits = self._door_bits(h1, h2)
+        if not self._door[bits].all():
+            self._door[bits] = True
+        else:
+            rows, cols = self._cells(h1, h2)
+            counters = self._table[rows, cols]
+            self._table[rows, cols] = np.minimum(counters + 1, MAX_COUNT)
+        self._sightings += 1
+        if self._sightings >= self.sample_size:
+            self.halve()
+
+    def estimate(self, key: bytes) -> int:
+        """Sightings of ``key`` lately (never fewer than there were since the last halving, but
+        possibly more: keys share counters)."""
+        h1, h2 = self._hashes(key)
+        rows, cols = self._cells(h1, h2)
+        return int(self._table[rows, cols].min()) + bool(self._door[self._door_bits(h1, h2)].all())
+
+    def halve(self) -> None:
+        """Age: every counter halved, the doorkeeper forgotten."""
+        self._table >>= 1
+        self._door[:] = False
+        self._sightings //= 2
