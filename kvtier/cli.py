@@ -117,7 +117,7 @@ def _status(args: argparse.Namespace) -> int:
     console.print(Text.assemble(
         f"lookups {traffic.get('lookups', 0):,}  stored tokens {traffic.get('stored_tokens', 0):,}",
         "  dropped writes ", warn(store["dropped_writes"]), "  failed writes ", warn(store["failed_writes"]),
-        f"  promotions {store['promotions']:,}",
+        f"  promotions {store['promotions']:,}  held back from lower tiers {store.get('held_back_writes', 0):,}",
     ))
     return 0
 

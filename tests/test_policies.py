@@ -199,6 +199,21 @@ def test_cost_aware_evicts_chunks_whose_prefix_is_gone_first():
     assert order[2:] == [b[0], a[0]]
 
 
+def test_a_predecessor_in_the_admission_window_is_held():
+    """Behind TinyLFU a read keeps a prompt's first chunk in the window while the next one has
+    moved on into COST's care: that chunk is not stranded."""
+    policy = TinyLFU(CostAware(), window_share=0.3)
+    admitted_residents(policy, [f"old{i}" for i in range(6)], reads=2)
+    first, second = k("first"), k("second")
+    policy.inserted(first, 1, ChunkInfo(256, 256, None))
+    policy.inserted(second, 1, ChunkInfo(512, 256, first))
+    policy.accessed(first)  # the window's newest again
+    fill(policy, ["pad1", "pad2"])
+    assert first in policy._window and second not in policy._window
+    assert list(policy.candidates())[0] != second
+    assert not policy.main._stranded()
+
+
 def test_cost_aware_lets_every_key_go_once():
     policy = CostAware()
     keys = chain(policy, "a", 5) + chain(policy, "b", 3) + chain(policy, "c", 2, start=4)

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from typing import Iterator
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.eviction import EvictionPolicy
+from kvtier.tiers.eviction import CostAware, EvictionPolicy
 from kvtier.tiers.lineage import ChunkInfo
 from kvtier.tiers.sketch import FrequencySketch
 
@@ -54,6 +54,8 @@ class TinyLFU(EvictionPolicy):
         self._held_bytes = 0
         self._infos: dict[bytes, ChunkInfo | None] = {}
         self._verdicts: dict[bytes, bytes] = {}  # main victim -> the newcomer admitted in its place
+        if isinstance(main, CostAware):
+            main.holds = self._sizes.__contains__  # a predecessor in the window is held too
 
     def inserted(self, key: bytes, size: int, info: ChunkInfo | None = None) -> None:
         if key in self._sizes:

@@ -18,7 +18,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Iterator
+from typing import Callable, Iterator
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.lineage import ChunkInfo
@@ -131,6 +131,9 @@ class CostAware(EvictionPolicy):
         self._entries: dict[bytes, _Costed] = {}
         self._children: dict[bytes, int] = {}  # resident chunks that follow a key (held or not)
         self._clock = 0.0
+        #: whether the tier holds a key; a wrapper that keeps objects outside this policy (the
+        #: TinyLFU window) widens it, so a chunk whose predecessor sits there is not stranded
+        self.holds: Callable[[bytes], bool] = self._entries.__contains__
 
     def inserted(self, key: bytes, size: int, info: ChunkInfo | None = None) -> None:
         if key in self._entries:
@@ -171,7 +174,7 @@ class CostAware(EvictionPolicy):
                     verdict = False
                     break
                 if parent not in entries:
-                    verdict = True
+                    verdict = not self.holds(parent)
                     break
                 key = parent
             else:
