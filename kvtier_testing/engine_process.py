@@ -99,6 +99,8 @@ class EngineProcess:
         self.log = Path(workdir) / f"{name}-{os.getpid()}-{id(self):x}.log"
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        #: vLLM's KV-cache groups once started: kind (spec class), block_size, window, layers.
+        self.kv_cache_groups: list[dict] | None = None
         self._replies: queue.Queue = queue.Queue()
 
     def start(self, timeout: float = 300) -> "EngineProcess":
@@ -119,6 +121,7 @@ class EngineProcess:
     def wait_ready(self, timeout: float = 300) -> "EngineProcess":
         reply = self._reply(timeout)
         self.startup_s = reply["startup_s"]
+        self.kv_cache_groups = reply["kv_cache_groups"]
         return self
 
     def _read(self) -> None:
@@ -213,6 +216,22 @@ def _stats(llm) -> dict:
     return out
 
 
+def _kv_cache_groups(llm) -> list[dict] | None:
+    """The KV-cache groups vLLM built (what the benchmarks size vLLM's own cache by); None when
+    the engine core runs in another process."""
+    try:
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    except AttributeError:
+        return None
+    return [{
+        "kind": type(group.kv_cache_spec).__name__,
+        "block_size": group.kv_cache_spec.block_size,
+        "window": getattr(group.kv_cache_spec, "sliding_window", None)
+        or getattr(group.kv_cache_spec, "attention_chunk_size", None),
+        "layers": len(group.layer_names),
+    } for group in config.kv_cache_groups]
+
+
 def _settle(llm, timeout: float = 10) -> None:
     """Step the engine until it holds no finished request's blocks (held while their saves ran):
     with an in-process engine nothing steps it between ``generate`` calls."""
@@ -292,7 +311,7 @@ def _child(spec: dict) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
         send({"error": f"{type(exc).__name__}: {exc}"})
         raise
-    send({"ready": True, "startup_s": time.perf_counter() - started})
+    send({"ready": True, "startup_s": time.perf_counter() - started, "kv_cache_groups": _kv_cache_groups(llm)})
     for line in sys.stdin:
         request = json.loads(line)
         op = request.pop("op")
