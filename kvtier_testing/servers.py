@@ -118,6 +118,8 @@ class RedisServer(_Server):
             self.port = free_port()
         self.cluster = cluster
         self.bus_port = free_port() if cluster else 0
+        while cluster and self.bus_port == self.port:
+            self.bus_port = free_port()
         self.maxmemory = maxmemory
         self.policy = policy
 
@@ -173,11 +175,10 @@ class ValkeyCluster:
     def __init__(self, folder: Path, masters: int = 3, replicas: int = 1, maxmemory: str = "64mb") -> None:
         if masters < 1 or replicas < 0:
             raise ValueError("a cluster needs a master, and no negative count of replicas")
-        self.masters = [RedisServer(folder / f"master-{i}", cluster=True, maxmemory=maxmemory) for i in range(masters)]
-        self.replicas = [
-            [RedisServer(folder / f"replica-{i}-{j}", cluster=True, maxmemory=maxmemory) for j in range(replicas)]
-            for i in range(masters)
-        ]
+        self.folder, self.maxmemory = folder, maxmemory
+        self.masters: list[RedisServer] = []
+        self.replicas: list[list[RedisServer]] = [[] for _ in range(masters)]
+        self._shape = (masters, replicas)
 
     @property
     def nodes(self) -> list[RedisServer]:
@@ -191,9 +192,14 @@ class ValkeyCluster:
     def start(self, timeout_s: float = 30.0) -> None:
         import redis
 
+        masters, replicas = self._shape
         try:
-            for node in self.nodes:
-                node.start()
+            # each node picks its ports once the ones before it listen, so no two pick the same
+            for i in range(masters):
+                self.masters.append(self._started(f"master-{i}"))
+            for i in range(masters):
+                for j in range(replicas):
+                    self.replicas[i].append(self._started(f"replica-{i}-{j}"))
             clients = [redis.Redis(port=node.port) for node in self.nodes]
             share = SLOTS // len(self.masters)
             for i, client in enumerate(clients[: len(self.masters)]):
@@ -214,6 +220,11 @@ class ValkeyCluster:
         except BaseException:
             self.stop()
             raise
+
+    def _started(self, name: str) -> RedisServer:
+        node = RedisServer(self.folder / name, cluster=True, maxmemory=self.maxmemory)
+        node.start()
+        return node
 
     def kill_master(self, i: int) -> RedisServer:
         """SIGKILL master ``i`` (a lost host); returns it, stopped."""

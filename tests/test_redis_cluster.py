@@ -8,6 +8,7 @@ has taken over, stores and reads through both servers come back by themselves.
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
@@ -96,3 +97,63 @@ def test_a_killed_master_gives_misses_then_both_servers_recover_after_failover(t
         reader.close()
         for server in servers:
             server.stop()
+
+
+def _wait_healthy(server: ServerProcess, timeout_s: float = 30.0) -> float:
+    start = time.monotonic()
+    while _redis_stats(server)["healthy"] != 1:
+        assert time.monotonic() - start < timeout_s, "the cluster tier never came back"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+@pytest.mark.vllm
+def test_a_vllm_engine_sees_no_error_while_a_master_dies_and_hits_again_after_failover(
+    tmp_path, cluster, tiny_model_path
+):
+    """One engine on a kvtier server whose shared tier is the cluster. Its prompts are computed
+    once (the reference), the server restarts (its L1 is gone: the KV is in the cluster only),
+    a master is SIGKILLed, and the engine goes on: every output equals the reference (misses
+    are recomputed), and once the replica has taken over the prompts are loaded again."""
+    from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+    from kvtier_testing.exactness import mismatch
+
+    chunk, doc = 256, 1024
+    adapter = {"type": "redis", "url": cluster.url, "cluster": True,
+               "startup_nodes": [f"127.0.0.1:{m.port}" for m in cluster.masters[1:]]}
+    server = ServerProcess(tmp_path, "--l2-adapter", json.dumps(adapter), l1_gb=0.05, chunk_size=chunk).start()
+    prompts = [[random.Random(i).randrange(4, 4096) for _ in range(doc + 24)] for i in range(8)]
+    config = kvtier_transfer_config({"kvtier.url": server.url, "kvtier.timeout_s": 2.0})
+    try:
+        with EngineProcess(tiny_model_path, tmp_path, config, max_model_len=2048, env=engine_env(), name="cluster") as engine:
+            def ask(prompt):
+                [out] = engine.generate([prompt], max_tokens=4, logprobs=5)
+                return out
+
+            reference = [ask(p) for p in prompts]
+            assert all(r["num_cached_tokens"] == 0 for r in reference)
+            engine.drain()
+            deadline = time.monotonic() + 30
+            while _redis_stats(server)["puts"] < len(prompts) * doc // chunk:
+                assert time.monotonic() < deadline, "the server never wrote the prompts to the cluster"
+                time.sleep(0.1)
+            server.stop()
+            server.start()  # an empty L1: what the engine loads now comes from the cluster
+            warm = ask(prompts[0])
+            assert warm["num_cached_tokens"] == doc + 23 and mismatch(warm, reference[0]) is None  # all but the last token
+
+            cluster.kill_master(0)
+            during = [ask(p) for p in prompts[1:5]]  # misses are recomputed; nothing reaches the engine
+            for out, ref in zip(during, reference[1:5]):
+                assert mismatch(out, ref) is None
+            cluster.wait_failover(0)
+            back_after = _wait_healthy(server)
+            after = [ask(p) for p in prompts[5:]]
+            for out, ref in zip(after, reference[5:]):
+                assert mismatch(out, ref) is None and out["num_cached_tokens"] == doc + 23, out["num_cached_tokens"]
+            stats = engine.stats()
+        print(f"hit tokens during the outage {[o['num_cached_tokens'] for o in during]}, "
+              f"tier healthy {back_after:.1f} s after the failover; worker {stats['worker']}")
+        assert _redis_stats(server)["errors"] > 0  # the kill was felt
+    finally:
+        server.stop()
