@@ -30,11 +30,9 @@ exits 1 when a target is missed. ``--quick`` takes a few minutes.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,12 +43,12 @@ from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
 from kvtier_testing.services import (
-    MODEL_NAME,
     Service,
     free_port,
     kvtier_server,
     service_env,
     stop_all,
+    stream_completion,
     vllm_server,
 )
 from kvtier_testing.targets import Target, add_check_flag, finish, report
@@ -144,27 +142,12 @@ def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -
 
 def _stream(url: str, prompt: list[int], max_tokens: int) -> dict:
     """One streamed completion: TTFT, inter-token gaps, text, prompt tokens not from a cache."""
-    import httpx
-
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
-    times, text, usage = [], [], None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("choices") and event["choices"][0].get("text"):
-                times.append(time.perf_counter())
-                text.append(event["choices"][0]["text"])
-            if event.get("usage"):
-                usage = event["usage"]
-    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    answer = stream_completion(url, prompt, max_tokens)
+    times, text, usage = answer["times"], answer["text"], answer["usage"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     gaps = [b - a for a, b in zip(times, times[1:])]
-    return {"ttft": times[0] - started if times else float("nan"), "itl": statistics.mean(gaps) if gaps else 0.0,
-            "text": "".join(text), "computed": (usage or {}).get("prompt_tokens", len(prompt)) - cached}
+    return {"ttft": times[0] if times else float("nan"), "itl": statistics.mean(gaps) if gaps else 0.0,
+            "text": text, "computed": usage.get("prompt_tokens", len(prompt)) - cached}
 
 
 def run_load(url: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> list[dict]:

