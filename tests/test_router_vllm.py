@@ -93,7 +93,7 @@ def complete(url: str, prompt, stream: bool = False) -> dict:
         assert response.status_code == 200, response.text
         answer = response.json()
         return {"text": answer["choices"][0]["text"], "usage": answer["usage"]}
-    text, usage = [], None
+    text, usage, done = [], None, False
     body.update(stream=True, stream_options={"include_usage": True})
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT_S) as response:
         assert response.status_code == 200
@@ -102,7 +102,8 @@ def complete(url: str, prompt, stream: bool = False) -> dict:
                 event = json.loads(line[6:])
                 text += [c["text"] for c in event.get("choices", [])]
                 usage = event.get("usage") or usage
-    assert line == "data: [DONE]", "the stream ended early"
+            done = done or line == "data: [DONE]"
+    assert done, "the stream ended early"
     return {"text": "".join(text), "usage": usage}
 
 
