@@ -238,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                         help='cache-aware: the namespace of the engines\' kvtier keys ({"model":..., "layout":{...}}, '
                              "as for POST /api/lookup); without it only vLLM's own caches count")
     router.add_argument("--hash-algorithm", default="sha256", help="cache-aware: the engines' --prefix-caching-hash-algo")
-    router.add_argument("--queue-cost-tokens", type=float, default=512.0,
-                        help="cache-aware: what a request in flight on an instance costs, in prompt tokens computed")
+    router.add_argument("--queue-cost-tokens", type=float, default=64.0,
+                        help="cache-aware: what a request in flight on an instance costs besides its own prefill,"
+                             " in prompt tokens computed")
     router.add_argument("--tier-cost", action="append", default=[], metavar="MEDIUM=TOKENS",
                         help="cache-aware: cost of loading one token from a kvtier medium, in tokens computed")
     router.add_argument("--lookup-timeout-s", type=float, default=0.2, help="cache-aware: per kvtier lookup")

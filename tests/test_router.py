@@ -399,3 +399,16 @@ def test_cache_aware_expects_the_prefix_it_just_sent_before_vllm_reports_it(cach
     first = rank(policy, [a, b])[0]
     next(i for i in (a, b) if i.url == first).in_flight = 1  # its prefill is under way, no event yet
     assert rank(policy, [a, b])[0] == first
+
+
+def test_cache_aware_counts_the_prefill_still_ahead_on_each_instance(cache_aware_of):
+    a, b = Instance("http://a"), Instance("http://b")
+    policy = cache_aware_of([a, b], queue_cost_tokens=0)
+    stored(policy, a, WordTokenizer().encode(PROMPT), 16)  # a holds the prompt: 0 to compute there, 64 on b
+    a.prefill_tokens = 60  # a request sent to a that has not started answering: still cheaper
+    assert rank(policy, [a, b])[0] == "http://a"
+    a.prefill_tokens = 70
+    assert rank(policy, [a, b])[0] == "http://b"
+    request = Routed("/v1/completions", {"prompt": PROMPT})
+    _LOOP.run_until_complete(policy.rank(request, [a, b]))
+    assert request.prefill == {a: 0, b: 64}  # what the router adds to the chosen one's work until it answers

@@ -72,6 +72,8 @@ class Router:
         """The instance's answer once its first bytes are in; or why it failed (marked failed)."""
         instance.in_flight += 1
         instance.counts["requests"] += 1
+        prefill = routed.prefill.get(instance, 0.0)  # work ahead of later requests until its first bytes
+        instance.prefill_tokens += prefill
         upstream = None
         try:
             upstream = await self.client.send(self.client.build_request("POST", instance.url + routed.path,
@@ -87,6 +89,8 @@ class Router:
             if upstream is not None:
                 await upstream.aclose()
             return str(exc) or type(exc).__name__
+        finally:
+            instance.prefill_tokens -= prefill
         instance.succeeded()
         return StreamingResponse(self._relay(instance, upstream, first, chunks), status_code=upstream.status_code,
                                  media_type=upstream.headers.get("content-type", "application/json"))

@@ -1,11 +1,14 @@
 """The cache-aware policy: per request, the instance where it will cost least, counting both what
 its prompt finds cached there and how busy the instance is.
 
-For each instance the router estimates the request's prefill cost in *prompt tokens computed*:
+For each instance the router estimates the work before the request's first token there, in
+*prompt tokens computed*:
 
     cost = tokens not cached anywhere the instance can read
          + tokens loaded from kvtier x that tier's cost per token (TIER_COSTS, by medium)
-         + requests in flight on the instance x ``queue_cost_tokens``
+         + the prompt tokens still to compute of the requests sent there that have not started
+           answering (the router's own estimates of them, until their first bytes arrive)
+         + requests in flight there x ``queue_cost_tokens`` (each decoding request slows the steps)
 
 Tokens in the instance's own prefix cache (vLLM's device cache, learned from its KV events,
 ``vllm_prefix.py``) cost nothing; tokens past them that the instance's kvtier server holds
@@ -52,7 +55,7 @@ class CacheAware(Policy):
         tokenizer: Any,
         namespace: dict | None = None,
         hash_algorithm: str = "sha256",
-        queue_cost_tokens: float = 512.0,
+        queue_cost_tokens: float = 64.0,
         tier_costs: dict[str, float] | None = None,
         lookup_timeout_s: float = 0.2,
         admin_token: str = "",
@@ -163,7 +166,8 @@ class CacheAware(Policy):
         scored = {}
         for instance in order:
             cost, loaded = self.cost(len(tokens), local[instance], kvtier.get(instance.kvtier))
-            scored[instance] = (cost + self.queue_cost_tokens * instance.in_flight, loaded)
+            request.prefill[instance] = cost
+            scored[instance] = (cost + instance.prefill_tokens + self.queue_cost_tokens * instance.in_flight, loaded)
         ranked = sorted(order, key=lambda i: (scored[i][0], i.in_flight))
         self.counts["scored"] += 1
         self.counts["expected_local_tokens"] += local[ranked[0]]

@@ -20,6 +20,7 @@ class Instance:
     events: str | None = None  # vLLM's KV-events endpoint (--kv-events-config), e.g. tcp://host:5557
     kvtier: str | None = None  # HTTP address of the kvtier server this instance loads from
     in_flight: int = 0  # requests sent and not finished
+    prefill_tokens: float = 0.0  # estimated prompt tokens still to compute of requests not yet answering
     failures: int = 0  # in a row
     down_until: float = 0.0  # time.monotonic() before which it is skipped
     counts: dict = field(default_factory=lambda: {"requests": 0, "failures": 0})
@@ -37,7 +38,8 @@ class Instance:
         self.down_until = 0.0
 
     def status(self) -> dict:
-        return {"url": self.url, "in_flight": self.in_flight, "available": self.available(), **self.counts}
+        return {"url": self.url, "in_flight": self.in_flight, "prefill_tokens": round(self.prefill_tokens),
+                "available": self.available(), **self.counts}
 
 
 def parse_instance(spec: str, kvtier: str | None = None) -> Instance:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Routed:
-    """A request on its way: its route (``/v1/completions``...) and JSON body."""
+    """A request on its way: its route (``/v1/completions``...) and JSON body; ``prefill`` is a
+    policy's estimate of the prompt tokens it would compute on each instance (cache-aware)."""
 
     path: str
     body: dict
+    prefill: dict = field(default_factory=dict)
 
 
 class Policy:
