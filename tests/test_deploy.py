@@ -2,15 +2,18 @@
 (strict: an unknown field is an error) that kubernetes-validate bundles; and what a schema cannot
 know is checked against the programs themselves: the kvtier server's arguments, with the ConfigMap
 and environment they expand from, through kvtier's own parser; vLLM's through vLLM's parser, and its
-connector keys through the connector's; probes against the servers' routes; ports, names and users
-that must agree across containers, Services and pods. Each kind of check has a negative control."""
+connector keys through the connector's; the router's through ``kvtier router``'s; probes on a real
+server and the router's app; the CurveZMQ keys, as the Secret and the init containers lay them out,
+on a real server and engine; ports, names, users and Secret keys that must agree across objects.
+Each kind of check has a negative control."""
 
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib
 import re
+import shlex
+import subprocess
 import urllib.error
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -27,6 +30,7 @@ from kvtier.schema import GB, add_flags, from_args
 from kvtier.tiers.disk import FsAdapterConfig
 from kvtier.tiers.redis import RedisAdapterConfig
 from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.workload import NS, fill_for, tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -80,8 +84,8 @@ def container_env(manifests: dict, container: dict) -> dict[str, str]:
     return env
 
 
-def expanded_args(manifests: dict, container: dict) -> list[str]:
-    """The container's args with $(VAR) expanded from its environment, as the kubelet does; a
+def expanded_args(manifests: dict, container: dict, part: str = "args") -> list[str]:
+    """The container's args (or command) with $(VAR) expanded from its environment, as the kubelet does; a
     reference to a variable the container does not have is an error here (the kubelet would
     pass it on verbatim)."""
     env = container_env(manifests, container)
@@ -90,7 +94,7 @@ def expanded_args(manifests: dict, container: dict) -> list[str]:
         assert match[1] in env, f"{container['name']}: $({match[1]}) is not in its environment"
         return env[match[1]]
 
-    return [re.sub(r"\$\((\w+)\)", value, arg) for arg in container.get("args", ())]
+    return [re.sub(r"\$\((\w+)\)", value, arg) for arg in container.get(part, ())]
 
 
 def server_config(manifests: dict) -> ServerConfig:
@@ -186,14 +190,14 @@ def test_the_server_config_is_kvtier_own(manifests):
     assert redis and all(env[a.password_env].startswith("<secret ") for a in redis if a.password_env)
 
 
-@pytest.mark.parametrize("key, value, error", [
-    ("KVTIER_L1_SIZE_GB", "big", ConfigError),
-    ("KVTIER_L2_ADAPTER_NVME", '{"type": "fs", "base_path": "/var/lib/kvtier", "capacity_gb": 1}', ConfigError),
-    ("KVTIER_L2_ADAPTER_SHARED", '{"type": "valkey", "url": "redis://x"}', ConfigError),
+@pytest.mark.parametrize("key, value", [
+    ("KVTIER_L1_SIZE_GB", "big"),
+    ("KVTIER_L2_ADAPTER_NVME", '{"type": "fs", "base_path": "/var/lib/kvtier", "capacity_gb": 1}'),
+    ("KVTIER_L2_ADAPTER_SHARED", '{"type": "valkey", "url": "redis://x"}'),
 ])
-def test_a_bad_config_value_is_rejected_by_kvtier(manifests, key, value, error):
+def test_a_bad_config_value_is_rejected_by_kvtier(manifests, key, value):
     manifests[("ConfigMap", "kvtier-server")]["data"][key] = value
-    with pytest.raises(error):
+    with pytest.raises(ConfigError):
         server_config(manifests)
 
 
@@ -245,6 +249,69 @@ def test_the_probes_and_metrics_are_served_by_a_real_kvtier_server(manifests, tm
             server.get("/healthz")
     finally:
         server.stop()
+
+
+def test_the_curve_keys_as_the_init_containers_copy_them_let_an_engine_in(manifests, tmp_path):
+    """The data port requires CurveZMQ. The Secret made as deploy/README.md says, mounted as
+    Kubernetes mounts it (files readable by all), copied by each pod's init container: a real
+    server started with the DaemonSet's key flags serves an engine with the vLLM pod's connector keys."""
+    from kvtier.integrations.vllm.keystores import close_cache, open_cache
+    from kvtier.wire.curve import generate
+
+    secret = tmp_path / "secret"
+    for _, name in generated_key_pairs():
+        generate(secret, name)
+    (mode,) = {v["secret"]["defaultMode"] for t in pod_templates(manifests) for v in t["spec"].get("volumes", ()) if "secret" in v}
+    for path in secret.iterdir():
+        path.chmod(mode)  # as the Secret volumes lay their files out
+    node = {"curve-secret": secret, "curve-keys": tmp_path / "node"}
+    server_spec = pod_spec(manifests, "DaemonSet", "kvtier-server")
+    run_init_container(init_container(server_spec, "curve-keys"), node)
+    config, kvtier = server_config(manifests), server_spec["containers"][0]
+    assert config.uses_curve  # the data port is not on loopback
+    server = ServerProcess(tmp_path, "--curve", "--curve-secret-key", local_path(kvtier, config.curve_secret_key, node),
+                           "--curve-clients-dir", local_path(kvtier, config.curve_clients_dir, node)).start()
+    try:
+        pod = {"curve-secret": secret, "curve-keys": tmp_path / "pod"}
+        vllm_spec = pod_spec(manifests, "StatefulSet", "vllm")
+        run_init_container(init_container(vllm_spec, "curve-keys"), pod)
+        extra = vllm_args(manifests).kv_transfer_config.kv_connector_extra_config
+        keys = {key: local_path(vllm_spec["containers"][0], extra[key], pod)
+                for key in ("kvtier.curve_secret_key", "kvtier.curve_server_key")}
+        cache = open_cache(parse_extra_config({"kvtier.url": server.url, "kvtier.timeout_s": 5.0, **keys}))
+        try:
+            toks = tokens(9_000, 64)
+            assert cache.store(NS, toks, fill_for(toks)) == 4 and cache.lookup(NS, toks).hit_tokens == 64
+        finally:
+            close_cache(cache)
+        # The control: the key pair as the Secret volume holds it is refused by kvtier.
+        with pytest.raises(ConfigError, match="readable by others"):
+            open_cache(parse_extra_config({**keys, "kvtier.url": server.url,
+                                           "kvtier.curve_secret_key": str(secret / Path(keys["kvtier.curve_secret_key"]).name)}))
+    finally:
+        server.stop()
+
+
+def init_container(spec: dict, name: str) -> dict:
+    return next(c for c in spec["initContainers"] if c["name"] == name)
+
+
+def local_path(container: dict, path: str, volumes: dict[str, Path]) -> str:
+    """Where ``path`` in ``container`` is here, its volumes being the folders ``volumes`` names."""
+    for mount in container["volumeMounts"]:
+        if Path(path).is_relative_to(mount["mountPath"]) and mount["name"] in volumes:
+            return str(volumes[mount["name"]] / Path(path).relative_to(mount["mountPath"]))
+    raise AssertionError(f"{path} is on none of {container['name']}'s volumes")
+
+
+def run_init_container(container: dict, volumes: dict[str, Path]) -> None:
+    """Run an init container's ``sh -c`` script here, its volumes mapped to local folders."""
+    assert container["command"][:2] == ["sh", "-c"]
+    script = container["command"][2]
+    for mount in sorted(container["volumeMounts"], key=lambda m: -len(m["mountPath"])):
+        volumes[mount["name"]].mkdir(exist_ok=True)
+        script = script.replace(mount["mountPath"], str(volumes[mount["name"]]))
+    subprocess.run(["sh", "-c", script], check=True)
 
 
 # -- vLLM on every node, connected to its node's server --------------------------------------------
@@ -317,15 +384,52 @@ def test_a_service_port_its_pods_lack_is_rejected(manifests):
         test_every_service_targets_named_ports_of_its_pods(manifests)
 
 
+def generated_key_pairs() -> list[tuple[str, str]]:
+    """(folder, name) of each ``kvtier keys generate`` of deploy/README.md."""
+    return re.findall(r"kvtier keys generate --dir (\S+) (\S+)", (DEPLOY / "README.md").read_text())
+
+
+def readme_secrets() -> dict[str, set[str]]:
+    """Secret name -> its keys, as deploy/README.md's commands create them."""
+    commands = (DEPLOY / "README.md").read_text().replace("\\\n", " ")
+    generated = {}
+    for folder, name in generated_key_pairs():
+        generated.setdefault(folder.rstrip("/"), set()).update({f"{name}.key", f"{name}.key_secret"})
+    secrets = {}
+    for line in commands.splitlines():
+        words = shlex.split(line.partition("#")[0]) if "create secret generic" in line else []
+        if words:
+            keys = secrets.setdefault(words[words.index("generic") + 1], set())
+            for word in words:
+                if word.startswith("--from-literal="):
+                    keys.add(word.split("=")[1])
+                elif word.startswith("--from-file="):
+                    keys.update(generated[word.partition("=")[2].rstrip("/")])
+    return secrets
+
+
 def test_every_secret_referenced_is_one_the_readme_creates(manifests):
-    readme = (DEPLOY / "README.md").read_text()
-    name = re.search(r"kubectl -n kvtier create secret generic (\S+)", readme)[1]
-    created = {(name, key) for key in re.findall(r"--from-literal=([\w.-]+)=", readme)}
+    created = readme_secrets()
     refs = [var["valueFrom"]["secretKeyRef"] for template in pod_templates(manifests)
-            for c in template["spec"]["containers"] for var in c.get("env", ()) if "secretKeyRef" in var.get("valueFrom", {})]
+            for c in template["spec"]["containers"] + template["spec"].get("initContainers", [])
+            for var in c.get("env", ()) if "secretKeyRef" in var.get("valueFrom", {})]
     assert refs
     for ref in refs:
-        assert ref.get("optional") or (ref["name"], ref["key"]) in created, ref
+        assert ref.get("optional") or ref["key"] in created.get(ref["name"], ()), ref
+    # A Secret volume's files, as the init containers read them.
+    for template in pod_templates(manifests):
+        secret_volumes = {v["name"]: v["secret"]["secretName"] for v in template["spec"].get("volumes", ()) if "secret" in v}
+        for container in template["spec"].get("initContainers", ()):
+            for mount in (m for m in container["volumeMounts"] if m["name"] in secret_volumes):
+                read = set(re.findall(re.escape(mount["mountPath"]) + r"/([\w.-]+)", " ".join(container["command"])))
+                assert read and read <= created[secret_volumes[mount["name"]]], (container["name"], read)
+
+
+def test_a_secret_key_the_readme_does_not_create_is_rejected(manifests):
+    init = init_container(pod_spec(manifests, "StatefulSet", "vllm"), "curve-keys")
+    init["command"] = [part.replace("engine.key_secret", "vllm.key_secret") for part in init["command"]]
+    with pytest.raises(AssertionError, match="curve-keys"):
+        test_every_secret_referenced_is_one_the_readme_creates(manifests)
 
 
 def test_a_bad_vllm_config_key_is_rejected_by_vllm(manifests):
