@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from fastapi.testclient import TestClient
 from kubernetes_validate.utils import ValidationError, validate
 from packaging.requirements import Requirement
 
@@ -353,6 +354,64 @@ def test_vllm_base_image_is_a_version_the_connector_supports():
     vllm_extra = re.search(r'^vllm = \["(vllm[^"]*)"', pyproject, re.M)[1]
     base = re.search(r"^FROM vllm/vllm-openai:v(\S+) AS vllm$", (DEPLOY / "Dockerfile").read_text(), re.M)[1]
     assert Requirement(vllm_extra).specifier.contains(base), (vllm_extra, base)
+
+
+# -- the router ----------------------------------------------------------------------------------
+
+
+def router_args(manifests: dict, monkeypatch) -> argparse.Namespace:
+    """The router container's command line through ``kvtier``'s own parser (its run step replaced)."""
+    from kvtier import cli
+
+    container = pod_spec(manifests, "Deployment", "kvtier-router")["containers"][0]
+    assert container["command"] == ["kvtier"]
+    parsed = []
+    monkeypatch.setattr(cli, "_router", lambda args, parser: parsed.append(args) or 0)
+    assert cli.main(expanded_args(manifests, container)) == 0
+    return parsed[0]
+
+
+def test_the_router_routes_to_every_vllm_instance_by_its_events(manifests, monkeypatch):
+    from kvtier.router.instances import parse_instance
+
+    args = router_args(manifests, monkeypatch)
+    vllm = vllm_args(manifests)
+    assert args.policy == "cache-aware" and args.hash_algorithm == vllm.prefix_caching_hash_algo
+    replicas = manifests[("StatefulSet", "vllm")]["spec"]["replicas"]
+    service = manifests[("Service", "vllm")]["metadata"]["name"]
+    events_port = urlsplit(vllm.kv_events_config.endpoint).port
+    instances = [parse_instance(spec, args.kvtier) for spec in args.instance]  # the router's own reading
+    assert [(i.url, i.events) for i in instances] == [
+        (f"http://vllm-{n}.{service}:{vllm.port}", f"tcp://vllm-{n}.{service}:{events_port}") for n in range(replicas)
+    ]
+    # The tokenizer folder is the one the init container fills, for the model vLLM serves.
+    spec = pod_spec(manifests, "Deployment", "kvtier-router")
+    router, init = spec["containers"][0], spec["initContainers"][0]
+    mounts = lambda c: {m["mountPath"]: m["name"] for m in c["volumeMounts"]}  # noqa: E731
+    assert mounts(router)[args.tokenizer] == mounts(init)[args.tokenizer]
+    downloaded = " ".join(expanded_args(manifests, init, "command"))
+    assert f'"{vllm.model_tag}"' in downloaded and f'local_dir="{args.tokenizer}"' in downloaded
+    assert args.port == port_of(router, "http")["containerPort"]
+
+
+def test_a_router_missing_an_instance_is_rejected(manifests, monkeypatch):
+    manifests[("StatefulSet", "vllm")]["spec"]["replicas"] += 1
+    with pytest.raises(AssertionError):
+        test_the_router_routes_to_every_vllm_instance_by_its_events(manifests, monkeypatch)
+
+
+def test_the_router_probe_is_a_route_of_the_router():
+    from kvtier.router.app import Router, create_app
+    from kvtier.router.instances import parse_instance
+    from kvtier.router.policies import RoundRobin
+
+    manifests = load_manifests()
+    container = pod_spec(manifests, "Deployment", "kvtier-router")["containers"][0]
+    app = create_app(Router([parse_instance("http://127.0.0.1:1")], RoundRobin(), timeout_s=1.0))
+    with TestClient(app) as client:
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert client.get(container[probe]["httpGet"]["path"]).status_code == 200
+        assert client.get("/healthz").status_code == 404  # the control
 
 
 # -- what ties the pieces together -----------------------------------------------------------------
