@@ -267,7 +267,8 @@ def test_the_curve_keys_as_the_init_containers_copy_them_let_an_engine_in(manife
         path.chmod(mode)  # as the Secret volumes lay their files out
     node = {"curve-secret": secret, "curve-keys": tmp_path / "node"}
     server_spec = pod_spec(manifests, "DaemonSet", "kvtier-server")
-    run_init_container(init_container(server_spec, "curve-keys"), node)
+    for _ in range(2):  # an init container runs again when its pod is restarted, on the same emptyDir
+        run_init_container(init_container(server_spec, "curve-keys"), node)
     config, kvtier = server_config(manifests), server_spec["containers"][0]
     assert config.uses_curve  # the data port is not on loopback
     server = ServerProcess(tmp_path, "--curve", "--curve-secret-key", local_path(kvtier, config.curve_secret_key, node),
@@ -275,7 +276,8 @@ def test_the_curve_keys_as_the_init_containers_copy_them_let_an_engine_in(manife
     try:
         pod = {"curve-secret": secret, "curve-keys": tmp_path / "pod"}
         vllm_spec = pod_spec(manifests, "StatefulSet", "vllm")
-        run_init_container(init_container(vllm_spec, "curve-keys"), pod)
+        for _ in range(2):
+            run_init_container(init_container(vllm_spec, "curve-keys"), pod)
         extra = vllm_args(manifests).kv_transfer_config.kv_connector_extra_config
         keys = {key: local_path(vllm_spec["containers"][0], extra[key], pod)
                 for key in ("kvtier.curve_secret_key", "kvtier.curve_server_key")}
