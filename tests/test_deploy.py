@@ -342,6 +342,11 @@ def test_vllm_reaches_its_node_server_with_valid_connector_keys(manifests):
     assert urlsplit(events.endpoint).port == port_of(container, "kv-events")["containerPort"]
     assert urlsplit(events.replay_endpoint).port == port_of(container, "kv-replay")["containerPort"]
     assert args.port == port_of(container, "http")["containerPort"]
+    from vllm.entrypoints.serve.instrumentator.health import router as health
+
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # vLLM's own health route
+        assert container[probe]["httpGet"]["path"] in {route.path for route in health.routes}
+        port_of(container, container[probe]["httpGet"]["port"])
 
 
 def test_a_bad_connector_key_is_rejected(manifests):
