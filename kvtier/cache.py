@@ -164,14 +164,18 @@ class TokenCache:
         chunk's raw KV straight into its slot. Returns the number of chunks stored."""
         return self.store_spans(namespace, spans_within(self.spans(namespace, tokens), start, end), fill)
 
-    def store_spans(self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn) -> int:
+    def store_spans(
+        self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn, records: Sequence[bytes] = ()
+    ) -> int:
         """Store these chunks (in order; those cached already are skipped): reserve, fill and
-        seal, commit. A failing ``fill`` aborts every slot of the call (nothing of it becomes
-        visible) and re-raises."""
+        seal, commit. ``records[i]``, if given, is the engine's block record of ``spans[i]``
+        (kvtier.events.BlockRecord). A failing ``fill`` aborts every slot of the call (nothing of
+        it becomes visible) and re-raises."""
         if not spans:
             return 0
         layout = namespace.layout
-        reservations = self.key_store.reserve([(s.key, object_size(layout.payload_bytes(s.num_tokens))) for s in spans])
+        items = [(s.key, object_size(layout.payload_bytes(s.num_tokens))) for s in spans]
+        reservations = self.key_store.reserve(items, records)
         self.stats.failed_chunks += len(reservations) < len(spans)
         slots = [(span, r) for span, r in zip(spans, reservations) if r is not None]
         self.stats.skipped_chunks += len(reservations) - len(slots)

@@ -244,7 +244,7 @@ class KvtierClient:
             except Unavailable:
                 pass  # the server lets the lease expire
 
-    def reserve(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation | None]:
+    def reserve(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = ()) -> list[Reservation | None]:
         """Slots in the server's arena (one round trip) where this process maps it; otherwise
         buffers here, sent as frames by ``commit``. Nothing (a dropped store) while unreachable."""
         if not items:
@@ -257,8 +257,8 @@ class KvtierClient:
                         with self._failing_open():
                             self._ensure_connected(deadline)  # so the arena is known
                         if self._arena is not None:
-                            return self._reserve_shared(items, deadline)
-                    return self._reserve_frames(items)
+                            return self._reserve_shared(items, records, deadline)
+                    return self._reserve_frames(items, records)
                 except StaleArena:
                     if attempt == 2:
                         raise
@@ -266,9 +266,12 @@ class KvtierClient:
             self.stats.dropped_stores += 1
         return []
 
-    def _reserve_shared(self, items: Sequence[tuple[bytes, int]], deadline: float) -> list[Reservation | None]:
+    def _reserve_shared(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes], deadline: float
+    ) -> list[Reservation | None]:
         keys, sizes = [key for key, _ in items], [size for _, size in items]
-        reply, _ = self._call(p.Reserve(keys=keys, sizes=sizes, arena=self._arena_id), deadline=deadline)
+        request = p.Reserve(keys=keys, sizes=sizes, arena=self._arena_id, records=list(records))
+        reply, _ = self._call(request, deadline=deadline)
         memory = memoryview(self._arena.memory)
         reservations: list[Reservation | None] = []
         for key, size, state, slot, offset in zip(keys, sizes, reply.states, reply.slots, reply.offsets):
@@ -281,7 +284,7 @@ class KvtierClient:
             reservations.append(Reservation(key, view, offset, slot))  # sealed by the server if it leaves memory
         return reservations
 
-    def _reserve_frames(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation]:
+    def _reserve_frames(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes]) -> list[Reservation]:
         """Buffers for sealed objects: the scratch buffer reused across writes where no other
         write holds it (a fresh buffer per call would cost a page fault per 4 KiB)."""
         total = sum(size for _, size in items)
@@ -292,8 +295,9 @@ class KvtierClient:
         else:
             buffer = memoryview(bytearray(total))
         reservations, offset = [], 0
-        for key, size in items:
-            reservations.append(Reservation(key, buffer[offset : offset + size], checksum=True))
+        for i, (key, size) in enumerate(items):
+            record = records[i] if records else b""
+            reservations.append(Reservation(key, buffer[offset : offset + size], checksum=True, record=record))
             offset += size
         return reservations
 
@@ -309,7 +313,8 @@ class KvtierClient:
             if reservations[0].slot:
                 reply, _ = self._call(p.Commit(slots=[r.slot for r in reservations]))
                 return list(reply.committed)
-            reply, _ = self._call(p.Put(keys=[r.key for r in reservations]), [r.view for r in reservations])
+            records = [r.record for r in reservations] if any(r.record for r in reservations) else []
+            reply, _ = self._call(p.Put(keys=[r.key for r in reservations], records=records), [r.view for r in reservations])
             return list(reply.stored)
         except Unavailable:
             self.stats.dropped_stores += 1

@@ -82,6 +82,18 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     curve_clients_dir: Annotated[str | None, _meta(
         "folder of the public keys (NAME.key) of the clients allowed on the data port"
     )] = None
+    tokenizers: Annotated[list[TokenizerSource], _meta(
+        'a model\'s tokenizer for /api/lookup with text, repeatable, e.g. \'{"model":"llama","path":"/models/llama"}\'',
+        flag="--tokenizer",
+    )] = []
+    kv_events_port: Annotated[Port | None, _meta(
+        "publish vLLM-format KV events (ZeroMQ PUB) on this port of --host; off by default")] = None
+    kv_events_replay_port: Annotated[Port | None, _meta(
+        "replay socket of the KV events (default: --kv-events-port + 1)")] = None
+    kv_events_buffer: Annotated[int, msgspec.Meta(ge=1, le=1_000_000), _meta(
+        "KV-event batches kept for replay")] = 10_000
+    kv_events_source: Annotated[str, msgspec.Meta(max_length=128, pattern="^[^@]*$"), _meta(
+        "the source in the events' topic kv@<source>@<model> (default: the host name)")] = ""
 
     def __post_init__(self) -> None:
         """Checked before anything binds: a data port others can reach never runs open."""
@@ -91,16 +103,32 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 f"{why} requires CurveZMQ keys: give --curve-secret-key and --curve-clients-dir "
                 "(kvtier keys generate writes key pairs; docs/security.md)"
             )
+        if self.kv_events_port is None:
+            if self.kv_events_replay_port is not None:
+                raise ConfigError("--kv-events-replay-port needs --kv-events-port")
+            return
+        replay = self.events_replay_port
+        if replay > 65535:
+            raise ConfigError(f"--kv-events-port {self.kv_events_port} leaves no port for the replay socket; set --kv-events-replay-port")
+        ports = {"--port": self.port, "--kv-events-port": self.kv_events_port, "--kv-events-replay-port": replay}
+        if self.http_host == self.host:
+            ports["--http-port"] = self.http_port
+        taken: dict[int, str] = {}
+        for flag, port in ports.items():
+            if port in taken:
+                raise ConfigError(f"{flag} and {taken[port]} are both {port}")
+            taken[port] = flag
 
     @property
     def uses_curve(self) -> bool:
         """CurveZMQ on the data port: asked for, implied by the host, or keys given."""
         keys = (self.curve_secret_key, self.curve_clients_dir)
         return self.curve or not is_loopback(self.host) or any(k is not None for k in keys)
-    tokenizers: Annotated[list[TokenizerSource], _meta(
-        'a model\'s tokenizer for /api/lookup with text, repeatable, e.g. \'{"model":"llama","path":"/models/llama"}\'',
-        flag="--tokenizer",
-    )] = []
+
+    @property
+    def events_replay_port(self) -> int:
+        assert self.kv_events_port is not None
+        return self.kv_events_replay_port or self.kv_events_port + 1
 
     def redacted(self) -> dict:
         """The config as plain data with secrets masked: what may be logged or shown."""

@@ -32,6 +32,7 @@ class Reservation:
     offset: int = -1  # where the slot starts in the store's (shared) arena
     slot: int = 0  # the store's handle for it (a server's slot id)
     checksum: bool = False  # seal the object with its checksum: its bytes will cross a socket
+    record: bytes = b""  # the block record to send with the object (a client's frames path)
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,11 @@ class KeyStore(Protocol):
 
     def release(self, leases: Sequence[Lease]) -> None: ...
 
-    def reserve(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation | None]:
+    def reserve(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = ()) -> list[Reservation | None]:
         """A slot for each (key, object size), in order: None where the key is cached already.
         The list ends early at the first key there is no room for (the rest would be
-        unreachable without it)."""
+        unreachable without it). ``records[i]``, if given, is the engine's block record of
+        object i (kvtier.events.BlockRecord, encoded), kept beside it."""
 
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Make filled, sealed slots visible; True for each that now is."""

@@ -82,6 +82,11 @@ class TieredStore:
         """What changed in every tier since the last call, each event naming its tier."""
         return [event for tier in self.tiers for event in tier.take_events()]
 
+    def watch(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener`` after every event of any tier (None: stop)."""
+        for tier in self.tiers:
+            tier.events.listen(listener)
+
     # -- key level ---------------------------------------------------------------------------
 
     @property
@@ -137,12 +142,13 @@ class TieredStore:
             if lease.pinned:
                 self.l1.release(lease)
 
-    def reserve(self, items: Sequence[tuple[bytes, int]]) -> list[Reservation | None]:
-        """L1 slots for whole objects: None where the key is cached already; the list ends at
-        the first key there is no room for (or that another writer is filling)."""
+    def reserve(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = ()) -> list[Reservation | None]:
+        """L1 slots for whole objects (``records[i]``: the block record of ``items[i]``, kept
+        with it in every tier that keeps records): None where the key is cached already; the list
+        ends at the first key there is no room for (or that another writer is filling)."""
         reservations: list[Reservation | None] = []
-        for key, size in items:
-            reservation = self.l1.reserve(key, size)
+        for i, (key, size) in enumerate(items):
+            reservation = self.l1.reserve(key, size, records[i] if records else b"")
             if reservation is None and not self.l1.contains([key])[0]:
                 break
             reservations.append(reservation)
@@ -163,13 +169,15 @@ class TieredStore:
         """Copy an object as it is from the first lower tier that has it into L1. Where L1 has
         no room (every object pinned), the checked object comes back unpinned in its own buffer."""
         reservation: Reservation | None = None
+        record = b""
 
         def allocate(size: int) -> memoryview:
             nonlocal reservation
-            reservation = self.l1.reserve(key, size)
+            reservation = self.l1.reserve(key, size, record)
             return reservation.view if reservation is not None else memoryview(bytearray(size))
 
         for tier in self.lower:
+            record = tier.record_of(key)
             view = self._get_into(tier, key, allocate)
             if view is not None:
                 break
@@ -216,8 +224,9 @@ class TieredStore:
             lease, tiers = job
             try:
                 self.l1.ensure_sealed(lease)
+                record = self.l1.record_of(lease.key)
                 for tier in tiers:
-                    if not self._put(tier, lease.key, lease.view):
+                    if not self._put(tier, lease.key, lease.view, record):
                         self.stats.failed_writes += 1
             finally:
                 with self._queue_lock:
@@ -264,9 +273,9 @@ class TieredStore:
             tier.stats.errors += 1
             return None
 
-    def _put(self, tier: Tier, key: bytes, data: memoryview) -> bool:
+    def _put(self, tier: Tier, key: bytes, data: memoryview, record: bytes) -> bool:
         try:
-            return tier.put([(key, data)])[0]
+            return tier.put([(key, data)], [record])[0]
         except Exception:
             log.exception("%s: put failed", tier.name)
             tier.stats.errors += 1

@@ -343,3 +343,24 @@ def test_concurrent_puts_and_gets_never_exceed_the_capacity(tmp_path):
     assert failures == [] and t.stats.corrupt == 0 and t.stats.errors == 0
     check_capacity(t, capacity)
     assert t.usage().used_bytes == sum(files_on_disk(tmp_path).values())
+
+
+def test_block_records_live_beside_their_objects_and_survive_a_restart(tmp_path):
+    base = tmp_path / "l2"
+    t = DiskTier(base, max_capacity_bytes=3 * size() + 300)
+    assert t.put([(key(1), obj(1)), (key(2), obj(2))], [b"record-1" * 10, b""]) == [True, True]
+    assert t.record_of(key(1)) == b"record-1" * 10 and t.record_of(key(2)) == b""
+    assert sorted(t.records()) == [(key(1), b"record-1" * 10)]
+    assert t.usage().used_bytes == 2 * size() + 80  # a record's bytes count against the capacity
+    (base / f"{key(9).hex()}.blocks").write_bytes(b"orphan")  # a crash between the two writes
+    t.close()
+    t = DiskTier(base, max_capacity_bytes=3 * size() + 300)
+    assert t.record_of(key(1)) == b"record-1" * 10 and t.usage().used_bytes == 2 * size() + 80
+    assert not (base / f"{key(9).hex()}.blocks").exists()
+    t.put([(key(3), obj(3))], [b"r" * 400])  # needs room: the oldest object goes, with its record
+    assert not t.contains([key(1)])[0] and t.record_of(key(1)) == b""
+    assert not (base / f"{key(1).hex()}.blocks").exists()
+    check_capacity(t, 3 * size() + 300)
+    t.delete([key(3)])
+    assert t.records() == [] and not (base / f"{key(3).hex()}.blocks").exists()
+    t.close()

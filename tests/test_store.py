@@ -225,7 +225,7 @@ class _SlowTier(Tier):
     def get(self, keys):
         return [self.stored.get(k) for k in keys]
 
-    def put(self, items):
+    def put(self, items, records=()):
         self.gate.wait()
         self.stored.update((k, bytes(v)) for k, v in items)
         return [True] * len(items)
@@ -288,4 +288,24 @@ def test_store_events_name_each_tier_that_changed(tmp_path):
     assert store.take_events() == []  # taken once
     store.clear()
     assert [(e.kind, e.tier) for e in store.take_events()] == [("cleared", "memory"), ("cleared", "disk")]
+    store.close()
+
+
+def test_block_records_follow_their_objects_down_and_back_up(tmp_path):
+    from kvtier.tiers.disk import DiskTier
+
+    disk = DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)
+    store = make_store(lower=[disk])
+    cache = TokenCache(store)
+    tokens = np.arange(32)
+    spans = cache.spans(NS, tokens)
+    assert cache.store_spans(NS, spans, fill_for(tokens), [b"record-0", b""]) == 2
+    store.flush()
+    assert store.l1.record_of(spans[0].key) == disk.record_of(spans[0].key) == b"record-0"
+    assert disk.record_of(spans[1].key) == b"" and disk.contains([spans[1].key]) == [True]
+    store.l1.clear()
+    assert store.l1.record_of(spans[0].key) == b""
+    with cache.retrieve(NS, tokens) as r:  # promoted from disk, with its record
+        assert r.num_tokens == 32
+    assert store.l1.record_of(spans[0].key) == b"record-0" and store.l1.records() == [(spans[0].key, b"record-0")]
     store.close()

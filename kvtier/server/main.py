@@ -23,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvtier.config import ServerConfig
 from kvtier.metrics import ServerMetrics
 from kvtier.server.http import HttpServer, create_app
+from kvtier.server.kv_events import KVEventPublisher
 from kvtier.server.lookup import LookupApi, Tokenizers
 from kvtier.server.service import CacheService
 from kvtier.build import build_store
@@ -78,6 +79,7 @@ class KvtierServer:
         self._control: zmq.Socket | None = None  # set once serving
         self.http: HttpServer | None = None
         self._authenticator = None  # the ZAP handler, while CurveZMQ is on
+        self.kv_events: KVEventPublisher | None = None
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -94,11 +96,19 @@ class KvtierServer:
                 self._authenticator = self.curve.authenticator(self._context)  # before a peer can knock
                 self.curve.apply(frontend)
             frontend.bind(f"tcp://{host}:{self.config.port}")
+            if self.config.kv_events_port is not None:
+                self.kv_events = KVEventPublisher(
+                    self.store, self._context, self.config.host, self.config.kv_events_port,
+                    self.config.events_replay_port, self.config.kv_events_buffer, self.config.kv_events_source,
+                )
             lookup = LookupApi(self.store, self.metrics, Tokenizers(self.config.tokenizers))
             self.http = HttpServer(create_app(self.service, self.metrics, self._ready.is_set, lookup),
                                    self.config.http_host, self.config.http_port)
         except Exception:
             frontend.close(linger=0)
+            if self.kv_events is not None:
+                self.kv_events.close()
+                self.kv_events = None
             self.stop()
             raise
         monitor = frontend.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _REFUSED)
@@ -112,6 +122,8 @@ class KvtierServer:
         self._threads.append(self._spawn("kvtier-monitor", self._monitor, monitor))
         for i in range(self.config.max_workers):
             self._threads.append(self._spawn(f"kvtier-worker-{i}", self._worker))
+        if self.kv_events is not None:
+            self.kv_events.start()
         self.http.start()
         self._ready.set()
         log.info("kvtier server ready: data tcp://%s:%d (CurveZMQ %s), http %s:%d, shared memory %s",
@@ -138,6 +150,8 @@ class KvtierServer:
                 self._control.close()
                 self._stopping.set()
                 stopped = self._join(self._threads, deadline) and stopped
+            if self.kv_events is not None:  # after the workers: their last changes are published
+                stopped = self.kv_events.stop(max(0.0, deadline - time.monotonic())) and stopped
             self.store.close()
             if self._authenticator is not None:
                 self._authenticator.stop()

@@ -19,6 +19,7 @@ import msgspec
 
 from kvtier import __version__
 from kvtier.errors import ObjectError
+from kvtier.events import decode_record
 from kvtier.objects import check_object
 from kvtier.keys import ChunkSpan
 from kvtier.keystore import Lease, Reservation
@@ -196,7 +197,8 @@ class CacheService:
             return self._error("stale-arena", "reserve names another arena; say hello again")
         if len(request.sizes) != len(request.keys):
             raise BadRequest("reserve: keys and sizes differ in length")
-        reservations = self.store.reserve(list(zip(request.keys, request.sizes)))
+        _check_records("reserve", request.records, len(request.keys))
+        reservations = self.store.reserve(list(zip(request.keys, request.sizes)), request.records)
         states, slots, offsets = [], [], []
         for reservation in reservations:
             if reservation is None:
@@ -243,6 +245,7 @@ class CacheService:
     def _put(self, request: p.Put, frames: list) -> Response:
         if len(frames) != len(request.keys):
             raise BadRequest(f"put: {len(request.keys)} keys but {len(frames)} object frames")
+        _check_records("put", request.records, len(request.keys))
         objects = []
         for key, frame in zip(request.keys, frames):
             data = memoryview(frame).cast("B")
@@ -251,7 +254,7 @@ class CacheService:
             except ObjectError as exc:
                 raise BadRequest(f"put: object for key {key.hex()[:16]} refused: {exc}") from None
             objects.append((header, data[: header.object_size]))
-        reservations = self.store.reserve([(key, len(data)) for key, (_, data) in zip(request.keys, objects)])
+        reservations = self.store.reserve([(key, len(data)) for key, (_, data) in zip(request.keys, objects)], request.records)
         filled = []
         for reservation, (header, data) in zip(reservations, objects):
             if reservation is not None:
@@ -330,3 +333,15 @@ class CacheService:
             "traffic": self.metrics.traffic(),
             **self.status_extra(),
         }
+
+
+def _check_records(op: str, records: list[bytes], keys: int) -> None:
+    """Block records are kept and published later: refuse a bad one now, naming it."""
+    if records and len(records) != keys:
+        raise BadRequest(f"{op}: {keys} keys but {len(records)} block records")
+    for i, record in enumerate(records):
+        if record:
+            try:
+                decode_record(record)
+            except ValueError as exc:
+                raise BadRequest(f"{op}: block record {i}: {exc}") from None

@@ -11,6 +11,12 @@ store, shown in status, metrics, events and vLLM's hit sources. The id is the me
 the tier and by ``-<n>`` when several unnamed tiers share a medium (``registry.tier_ids``), so a
 reader of any id knows the medium (``medium_of``).
 
+**Block records.** An object may come with an engine's ``BlockRecord`` (encoded, opaque here:
+kvtier.events). Tiers that can say exactly what they hold keep it beside the object
+(``keeps_records``: memory, disk; a disk tier's survive restarts) and hand it out through
+``record_of``/``records``; the KV-event publisher makes vLLM's events from them. Remote tiers are
+shared by several servers and evict by themselves, so none can say what it holds: they keep none.
+
 **Adapter configs.** Each medium's module defines its ``AdapterConfig`` subclass (the ``type``
 tag of an ``--l2-adapter`` JSON object) and how it builds its tier; registry.py finds them.
 """
@@ -86,6 +92,7 @@ class Tier(ABC):
     """A keyed store of KV objects with a byte capacity it never exceeds."""
 
     medium: ClassVar[Medium]
+    keeps_records: ClassVar[bool] = False
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.medium.value  # the tier's unique id in its store
@@ -111,8 +118,10 @@ class Tier(ABC):
         return dest
 
     @abstractmethod
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        """Store whole objects; True where the object is stored (or already was)."""
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
+        """Store whole objects; True where the object is stored (or already was). ``records[i]``
+        (if given; empty for none) is the block record of ``items[i]``, kept where the tier
+        ``keeps_records``."""
 
     @abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:
@@ -128,6 +137,15 @@ class Tier(ABC):
     def take_events(self) -> list[CacheEvent]:
         """What changed since the last call (stored, removed, cleared), oldest first."""
         return self.events.take()
+
+    def record_of(self, key: bytes) -> bytes:
+        """The block record kept with the object under ``key``; empty if none (or no object)."""
+        return b""
+
+    def records(self) -> list[tuple[bytes, bytes]]:
+        """(key, block record) of every object held that has one: a snapshot of what the tier
+        holds, for a consumer of its events that starts (or lost track) now."""
+        return []
 
     @property
     def healthy(self) -> bool:

@@ -39,10 +39,21 @@ class CodecTier(Tier):
     def lineage(self, lineage: Lineage) -> None:
         self.inner.lineage = lineage
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
         encoded = [(key, self._encode(key, data)) for key, data in items]
-        stored = iter(self.inner.put([(key, obj) for key, obj in encoded if obj is not None]))
+        kept = [i for i, (_, obj) in enumerate(encoded) if obj is not None]
+        stored = iter(self.inner.put([encoded[i] for i in kept], [records[i] for i in kept] if records else ()))
         return [obj is not None and next(stored) for _, obj in encoded]
+
+    @property
+    def keeps_records(self) -> bool:  # type: ignore[override]
+        return self.inner.keeps_records
+
+    def record_of(self, key: bytes) -> bytes:
+        return self.inner.record_of(key)
+
+    def records(self) -> list[tuple[bytes, bytes]]:
+        return self.inner.records()
 
     def _encode(self, key: bytes, data: bytes | memoryview) -> bytes | memoryview | None:
         """The object to store for ``data``; None (counted) if it is not a whole object."""

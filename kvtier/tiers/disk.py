@@ -6,6 +6,11 @@ the next start removes; the directory itself is not fsynced, because a rename lo
 only a miss. Every read verifies the object's checksum: a bad, partial or foreign file is a miss
 and is deleted. The index is rebuilt from the directory at start.
 
+An object's block record (tiers/base.py), if it came with one, is a small file beside it
+(``<64 hex>.blocks``), written before the object and removed with it, so what the tier holds
+after a restart can be published again. A record without its object (a crash between the two
+renames) is removed at start; an object whose record is lost is still a hit, just unpublished.
+
 Room is reserved in the index before a write starts and eviction runs inline in ``put``, so the
 files in the directory, temp files included, never add up to more than the capacity. A directory
 belongs to one ``DiskTier`` at a time (an advisory lock enforces it): two indexes over one
@@ -23,15 +28,15 @@ import re
 import secrets
 import shutil
 import threading
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Annotated, Callable, Sequence
+from typing import Annotated, Callable, Iterator, Sequence
 
 import msgspec
 import numpy as np
 
 from kvtier.errors import ConfigError
-from kvtier.events import Medium
+from kvtier.events import MAX_RECORD_BYTES, Medium
 from kvtier.schema import GB, AdmissionName, EvictionPolicyName, PositiveGB, WindowShare
 from kvtier.tiers.arena import ALIGNMENT, align_up
 from kvtier.tiers.base import AdapterConfig, Tier, TierUsage
@@ -41,6 +46,7 @@ from kvtier.tiers.eviction import make_policy
 logger = logging.getLogger(__name__)
 
 OBJECT_NAME = re.compile(r"[0-9a-f]{64}\.kv")
+RECORD_NAME = re.compile(r"[0-9a-f]{64}\.blocks")
 TEMP_NAME = re.compile(r"\.([0-9a-f]{64}|odirect-probe)\.tmp\.[0-9]+\.[0-9a-f]{8}")
 LOCK_NAME = ".kvtier-disk.lock"
 #: Share of the free space the tier may take when no capacity is given: the rest stays for
@@ -82,6 +88,7 @@ class FsAdapterConfig(AdapterConfig, tag="fs"):
 
 class DiskTier(Tier):
     medium = Medium.DISK
+    keeps_records = True
 
     def __init__(
         self,
@@ -111,6 +118,7 @@ class DiskTier(Tier):
             raise ConfigError(f"L2 directory {self.path} is not writable")
         self._lock = threading.Lock()
         self._writing: set[bytes] = set()
+        self._records: dict[bytes, bytes] = {}  # block records of indexed objects that have one
         self._warned_errnos: set[int] = set()
         self._io_failing = False  # set by an I/O error, cleared by a good write
         self._lock_fd: int | None = self._lock_directory()
@@ -139,8 +147,16 @@ class DiskTier(Tier):
     def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
         return [self.get_into(key, _new_buffer) for key in keys]
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        return [self._put_one(key, data) for key, data in items]
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
+        return [self._put_one(key, data, records[i] if records else b"") for i, (key, data) in enumerate(items)]
+
+    def record_of(self, key: bytes) -> bytes:
+        with self._lock:
+            return self._records.get(key, b"")
+
+    def records(self) -> list[tuple[bytes, bytes]]:
+        with self._lock:
+            return list(self._records.items())
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
@@ -182,8 +198,7 @@ class DiskTier(Tier):
         except FileNotFoundError:  # deleted behind our back, or evicted before we opened it
             self.stats.add(misses=1)
             with self._lock:
-                if self._book.get(key) is entry:
-                    self._book.forget(key)
+                if self._book.get(key) is entry and self._remove(key):
                     self._removed(key)
             return None
         except OSError as e:  # possibly transient (EMFILE, EIO): keep the entry, its file still counts
@@ -202,11 +217,11 @@ class DiskTier(Tier):
                 self._book.accessed(key)
         return buf[: header.object_size]
 
-    def _put_one(self, key: bytes, data: bytes | memoryview) -> bool:
+    def _put_one(self, key: bytes, data: bytes | memoryview, record: bytes) -> bool:
         obj = self._whole_object(key, data)
         if obj is None:
             return False
-        size = align_up(len(obj)) if self.odirect else len(obj)
+        size = (align_up(len(obj)) if self.odirect else len(obj)) + len(record)
         with self._lock:
             if key in self._book:
                 return True
@@ -218,8 +233,12 @@ class DiskTier(Tier):
             self._writing.add(key)
             self._book.reserve(size)
         try:
-            self._write_file(key, obj, size)
+            if record:
+                self._write_record(key, record)
+            self._write_file(key, obj, size - len(record))
         except OSError as e:
+            with suppress(OSError):
+                os.unlink(self._record_path(key))
             with self._lock:
                 self._warn_io_error("write", self._object_path(key), e)
                 self._writing.discard(key)
@@ -229,6 +248,8 @@ class DiskTier(Tier):
         with self._lock:
             self._writing.discard(key)
             self._book.add(key, size, reserved=True, info=self.lineage.get(key))
+            if record:
+                self._records[key] = bytes(record)
             self._io_failing = False
         self._stored(key, len(obj))
         return True
@@ -236,8 +257,29 @@ class DiskTier(Tier):
     def _object_path(self, key: bytes) -> Path:
         return self.path / f"{key.hex()}.kv"
 
+    def _record_path(self, key: bytes) -> Path:
+        return self.path / f"{key.hex()}.blocks"
+
+    def _write_record(self, key: bytes, record: bytes) -> None:
+        """Without fsync: a record lost in a crash only unpublishes its object."""
+        with self._renamed_into(self._record_path(key), key.hex()) as temp, open(temp, "xb") as f:
+            f.write(record)
+
     def _temp_path(self, stem: str) -> Path:
         return self.path / f".{stem}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+
+    @contextmanager
+    def _renamed_into(self, dest: Path, stem: str) -> Iterator[Path]:
+        """A temp path to write; renamed to ``dest`` when the block ends, removed if it fails:
+        ``dest`` only ever holds a whole file."""
+        temp = self._temp_path(stem)
+        try:
+            yield temp
+            os.replace(temp, dest)
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(temp)
+            raise
 
     def _read_file(self, path: Path, allocate: Callable[[int], memoryview]) -> memoryview:
         """The whole file, read into ``allocate(size)``. With O_DIRECT, memory that is not
@@ -264,7 +306,6 @@ class DiskTier(Tier):
 
     def _write_file(self, key: bytes, obj: memoryview, size: int) -> None:
         """Temp file, fsync, rename: the final name only ever holds a whole object."""
-        temp = self._temp_path(key.hex())
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self.odirect else 0)
         segments = [obj]
         if self.odirect:  # whole pages from aligned memory; the header gives the real length
@@ -274,7 +315,7 @@ class DiskTier(Tier):
                 tail = memoryview(mmap.mmap(-1, size - head))
                 tail[: len(obj) - head] = obj[head:]
                 segments.append(tail)
-        try:
+        with self._renamed_into(self._object_path(key), key.hex()) as temp:
             fd = os.open(temp, flags, 0o644)
             try:
                 for segment in segments:
@@ -284,11 +325,6 @@ class DiskTier(Tier):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(temp, self._object_path(key))
-        except BaseException:
-            with suppress(OSError):
-                os.unlink(temp)
-            raise
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -335,6 +371,7 @@ class DiskTier(Tier):
         """Index the object files already there, oldest first for the policy; remove temp files
         a crashed writer left; leave every other file alone (it is not ours)."""
         found: list[tuple[int, str, int]] = []
+        records: dict[str, int] = {}  # record file name -> size
         temp_removed = foreign = 0
         with os.scandir(self.path) as entries:
             for entry in entries:
@@ -345,6 +382,8 @@ class DiskTier(Tier):
                 elif OBJECT_NAME.fullmatch(entry.name):
                     stat = entry.stat(follow_symlinks=False)
                     found.append((stat.st_mtime_ns, entry.name, stat.st_size))
+                elif RECORD_NAME.fullmatch(entry.name):
+                    records[entry.name] = entry.stat(follow_symlinks=False).st_size
                 elif TEMP_NAME.fullmatch(entry.name):
                     with suppress(FileNotFoundError):
                         os.unlink(entry.path)
@@ -352,13 +391,35 @@ class DiskTier(Tier):
                 else:
                     foreign += 1
         for _, name, size in sorted(found):
-            self._book.add(bytes.fromhex(name[:64]), size)
+            key = bytes.fromhex(name[:64])
+            record = self._load_record(key, records.pop(f"{name[:64]}.blocks", None))
+            self._book.add(key, size + len(record))
+            if record:
+                self._records[key] = record
+        for name in records:  # records whose object is gone (a crash between the two writes)
+            with suppress(FileNotFoundError):
+                os.unlink(self.path / name)
         if foreign:
             logger.warning(
                 "L2 directory %s holds %d entries that are not kvtier's; leaving them", self.path, foreign
             )
         self.stats.extra["foreign_files"] = foreign
         self.stats.extra["temp_files_removed"] = temp_removed
+
+    def _load_record(self, key: bytes, size: int | None) -> bytes:
+        """The record file of an indexed object, or b"" (removing one that cannot be a record)."""
+        if size is None:
+            return b""
+        path = self._record_path(key)
+        try:
+            if size <= MAX_RECORD_BYTES:
+                return path.read_bytes()
+        except OSError as e:
+            self._warn_io_error("read", path, e)
+            return b""
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+        return b""
 
     # -- inside the lock ---------------------------------------------------------------------
 
@@ -384,6 +445,9 @@ class DiskTier(Tier):
             self._warn_io_error("delete", self._object_path(key), e)
             self.stats.add(errors=1)
             return False
+        if self._records.pop(key, None) is not None:
+            with suppress(OSError):  # left behind, it is removed at the next start
+                os.unlink(self._record_path(key))
         self._book.forget(key)
         return True
 

@@ -63,6 +63,7 @@ class _Slot:
     committed: bool = False
     pins: int = 0
     doomed: bool = False  # removed while pinned: freed by the last release
+    record: bytes = b""  # the engine's block record (kvtier.events), if it gave one
 
     @property
     def visible(self) -> bool:
@@ -71,6 +72,7 @@ class _Slot:
 
 class MemoryTier(Tier):
     medium = Medium.MEMORY
+    keeps_records = True
 
     def __init__(
         self,
@@ -108,9 +110,10 @@ class MemoryTier(Tier):
 
     # -- two-phase write ---------------------------------------------------------------------
 
-    def reserve(self, key: bytes, size: int) -> Reservation | None:
-        """A slot for an object of ``size`` bytes, evicting inline if needed. None if the key is
-        already stored or being written, or if no room can be made (all pinned, or too big)."""
+    def reserve(self, key: bytes, size: int, record: bytes = b"") -> Reservation | None:
+        """A slot for an object of ``size`` bytes (and its block ``record``), evicting inline if
+        needed. None if the key is already stored or being written, or if no room can be made
+        (all pinned, or too big)."""
         needed = align_up(size)
         with self._lock:
             if key in self._slots:
@@ -119,7 +122,7 @@ class MemoryTier(Tier):
             if offset is None:
                 self.stats.rejected_puts += 1
                 return None
-            self._slots[key] = _Slot(offset, size, needed)
+            self._slots[key] = _Slot(offset, size, needed, record=bytes(record))
         return Reservation(key, self._arena[offset : offset + size], offset)
 
     def commit(self, reservation: Reservation) -> None:
@@ -188,14 +191,14 @@ class MemoryTier(Tier):
         if lease.pinned:
             ensure_sealed(self._arena[lease.offset : lease.offset + len(lease.view)])
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
         results = []
-        for key, data in items:
+        for i, (key, data) in enumerate(items):
             data = self._whole_object(key, data)  # refuse what is not an object before it takes room
             if data is None:
                 results.append(False)
                 continue
-            reservation = self.reserve(key, len(data))
+            reservation = self.reserve(key, len(data), records[i] if records else b"")
             if reservation is None:
                 results.append(self.contains([key])[0])
                 continue
@@ -203,6 +206,15 @@ class MemoryTier(Tier):
             self.commit(reservation)
             results.append(True)
         return results
+
+    def record_of(self, key: bytes) -> bytes:
+        with self._lock:
+            slot = self._slots.get(key)
+            return slot.record if slot is not None and slot.visible else b""
+
+    def records(self) -> list[tuple[bytes, bytes]]:
+        with self._lock:
+            return [(key, slot.record) for key, slot in self._slots.items() if slot.visible and slot.record]
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0

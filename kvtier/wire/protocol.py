@@ -10,6 +10,9 @@ A lookup is one ``Lookup``: the keys of a prompt's chunks and, per chunk, the ca
 chunks to try where the walk stops (so a lookup never costs a second round trip). Server-side
 counters of every request type (``kvtier_requests_total{op}``) let a test count round trips.
 
+A write may carry, per object, the engine's block record (``kvtier.events.BlockRecord``, encoded;
+empty for none): the server keeps it beside the object and publishes vLLM's KV events from it.
+
 Writes through shared memory are two-phase: ``Reserve`` gives slots in the arena, the client
 writes whole sealed objects into them, ``Commit`` makes them visible (or ``Abort`` gives them back).
 Reads through shared memory are leases: ``Retrieve`` pins objects and says where they are,
@@ -23,9 +26,9 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-from kvtier.events import CacheEvent
+from kvtier.events import MAX_RECORD_BYTES, CacheEvent
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Shared-memory requests name the arena they mean by this many bytes of its nonce, so a client
 #: still mapping the arena of a server that has since restarted is refused ("stale-arena"),
 #: never handed offsets into memory that now means something else.
@@ -39,6 +42,7 @@ Keys = Annotated[list[Annotated[bytes, msgspec.Meta(min_length=32, max_length=32
 Ids = Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS)]
 #: Token counts and indexes: never negative (a negative index would silently count from the end).
 Positions = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_KEYS)]
+Records = Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_RECORD_BYTES)]], msgspec.Meta(max_length=MAX_KEYS)]
 Sizes = Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]], msgspec.Meta(max_length=MAX_KEYS)]
 
 
@@ -70,11 +74,13 @@ class Lookup(_Request, tag="lookup"):
 
 
 class Reserve(_Request, tag="reserve"):
-    """Slots for whole objects; ``sizes[i]`` is the size of the object under ``keys[i]``."""
+    """Slots for whole objects; ``sizes[i]`` is the size of the object under ``keys[i]`` and
+    ``records[i]`` its block record (``records`` empty: none)."""
 
     keys: Keys = []
     sizes: Sizes = []
     arena: bytes = b""  # the client's arena id (ARENA_ID_SIZE bytes of the hello nonce)
+    records: Records = []
 
 
 class Commit(_Request, tag="commit"):
@@ -86,9 +92,11 @@ class Abort(_Request, tag="abort"):
 
 
 class Put(_Request, tag="put"):
-    """Whole objects in frames 1..n, one per key: the path of clients on other hosts."""
+    """Whole objects in frames 1..n, one per key: the path of clients on other hosts.
+    ``records`` as in ``Reserve``."""
 
     keys: Keys = []
+    records: Records = []
 
 
 class Retrieve(_Request, tag="retrieve"):
