@@ -67,12 +67,18 @@ class EventSubscriber:
         return got
 
     def wait_for(self, predicate, timeout_s: float = 60.0) -> list[Message]:
-        """Receive until ``predicate(self.received)`` holds; AssertionError at the timeout."""
+        """Receive until ``predicate(self.received)`` holds; AssertionError at the timeout. While
+        nothing arrives it asks the replay socket for what it may have missed: a PUB socket
+        drops what it sends before it has taken in a new subscriber's subscription (vLLM's
+        does, for its first batch), and no later message shows the gap when none follows."""
         deadline = time.monotonic() + timeout_s
         while not predicate(self.received):
             if time.monotonic() > deadline:
                 raise AssertionError(f"no matching KV events in {timeout_s} s ({len(self.received)} received)")
-            self.receive(idle_s=0.1, timeout_s=1.0)
+            if not self.receive(idle_s=0.2, timeout_s=1.0) and self._replay_endpoint is not None:
+                missed = self.replay(self.next_seq)
+                self.received.extend(missed)
+                self.next_seq = missed[-1].seq + 1 if missed else self.next_seq
         return self.received
 
     def replay(self, start: int, timeout_s: float = 10.0) -> list[Message]:

@@ -222,6 +222,9 @@ class KVEventPublisher:
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._replay, zmq.POLLIN)
         while not self._stopping.is_set():
+            # Let the PUB socket take in new subscriptions now: left to the next send, it would
+            # apply them after matching it, and a subscriber would miss that batch.
+            self._pub.getsockopt(zmq.EVENTS)
             ready = dict(poller.poll(_POLL_MS))
             if self._replay in ready:
                 try:
