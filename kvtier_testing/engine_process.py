@@ -307,6 +307,10 @@ def _child(spec: dict) -> None:
     try:
         from vllm import LLM
 
+        if "kv_events_config" in spec:  # LLM takes this config as an object only
+            from vllm.config import KVEventsConfig
+
+            spec["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
         llm = LLM(**spec)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
         send({"error": f"{type(exc).__name__}: {exc}"})

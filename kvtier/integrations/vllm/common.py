@@ -291,13 +291,15 @@ class LoadJob:
 @dataclass
 class SaveJob:
     """After the forward pass, store the objects ``spans[rank][group]`` (all computed by then),
-    whose block i is vLLM's block ``block_ids[group][i]``."""
+    whose block i is vLLM's block ``block_ids[group][i]``. ``records[group]`` maps an object's
+    token range to vLLM's view of its blocks (block_records.py), the same for every rank."""
 
     req_id: ReqId
     scope: RequestScope
     spans: list[list[list[ChunkSpan]]]
     block_ids: list[list[int]]
     job_id: int = 0
+    records: list[dict[tuple[int, int], bytes]] = field(default_factory=list)
 
 
 @dataclass

@@ -75,7 +75,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from kvtier.integrations.vllm.scheduler import KvtierScheduler
 
-            self.connector_scheduler = KvtierScheduler(self.config, engine, self._block_ids_of)
+            self.connector_scheduler = KvtierScheduler(
+                self.config, engine, self._block_ids_of, vllm_config.model_config.served_model_name
+            )
             self.connector_scheduler.cache.key_store.ping()
             chunk = self.connector_scheduler.cache.chunk_size
             if chunk is None:

@@ -191,7 +191,8 @@ class Saver:
                 dest[:size] = self.ring.view(offset, size)
                 written += size
 
-            stored += self.cache.store_spans(spaces[g], spans, fill) if spans else 0
+            records = job.records[g] if job.records else {}
+            stored += self.cache.store_spans(spaces[g], spans, fill, [records.get((s.start, s.end), b"") for s in spans]) if spans else 0
         if not stored and not self.cache.key_store.reachable:  # the server went away: the client dropped it
             worker.stats.dropped_saves += 1
             return

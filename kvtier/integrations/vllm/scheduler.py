@@ -53,6 +53,7 @@ from kvtier.integrations.vllm.common import (
     pages,
     request_scope,
 )
+from kvtier.integrations.vllm.block_records import PUBLISHED_KINDS, block_records
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.hits import best_end, group_save_spans, hit_spans, load_spans
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
@@ -84,6 +85,7 @@ class _Tracked:
     scope: RequestScope
     tokens: list[int]  # the prompt's tokens (vLLM's list: keys are made from it once)
     saved_upto: int  # tokens known stored in kvtier or covered by a save job
+    request: "Request"  # for vLLM's block hashes of what is saved (block_records)
     save_jobs: int = 0
 
 
@@ -125,8 +127,10 @@ class KvtierScheduler:
         config: ConnectorConfig,
         engine: EngineLayout,
         block_ids_of: Callable[[ReqId], tuple[list[int], ...]],
+        served_model: str = "",
     ) -> None:
         self.config = config
+        self.served_model = served_model or engine.model  # the model name in kvtier's KV events
         self.engine = engine
         self.block_size = engine.block_size
         self.namespaces = NamespaceCache(engine)
@@ -324,7 +328,7 @@ class KvtierScheduler:
         stored = known.stored if known is not None else 0
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            tracked = self._requests[request.request_id] = _Tracked(scope, prompt, stored)
+            tracked = self._requests[request.request_id] = _Tracked(scope, prompt, stored, request)
         else:  # resumed after a preemption
             tracked.saved_upto = max(tracked.saved_upto, stored)
         if num_external_tokens <= 0 or known is None:
@@ -384,7 +388,12 @@ class KvtierScheduler:
         if not any(spans[0]):
             return
         blocks = self._block_ids_of(req_id)
-        job = SaveJob(req_id, tracked.scope, spans, [list(blocks[g.index][: pages(computed, self.block_size)]) for g in self.engine.groups], self._next_job)
+        records = [
+            block_records(tracked.request, tracked.tokens, group_spans, self.block_size, self.served_model, group.index)
+            if group.kind in PUBLISHED_KINDS else {}
+            for group, group_spans in zip(self.engine.groups, spans[0])
+        ]
+        job = SaveJob(req_id, tracked.scope, spans, [list(blocks[g.index][: pages(computed, self.block_size)]) for g in self.engine.groups], self._next_job, records)
         self._next_job += 1
         self._in_flight[job.job_id] = _InFlight([s.key for s in spans[0][0]], time.monotonic() + self._in_flight_s)
         self._in_flight_keys.update(self._in_flight[job.job_id].keys)

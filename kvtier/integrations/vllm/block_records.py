@@ -1,0 +1,62 @@
+"""Scheduler side: vLLM's own view of the blocks a save stores, sent with each object so that
+``kvtier server --kv-events-port`` publishes the block hashes vLLM itself computes for the same
+tokens (its block size, hash algorithm and seed, parent chaining, LoRA and cache_salt extra keys)
+and a router that indexes vLLM's events matches kvtier's without new code.
+
+Nothing is hashed here: the hashes are the request's ``block_hashes``, which vLLM computes
+whenever a KV connector is configured, converted for events exactly as vLLM's block pool does
+(``maybe_convert_block_hash``: bytes, or ints under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+A record covers the whole blocks of a chunk; the prompt's last partial block has no vLLM hash
+and is in no record. Every group kvtier caches has one block size (engine_layout), at which vLLM
+hashes too. Records are made for the groups whose objects hold every block of their chunk (full
+attention, MLA); a sliding-window, chunked-local or recurrent-state object holds only some of
+them, so those groups are cached but not published.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+
+from kvtier.events import BlockRecord
+from kvtier.keys import ChunkSpan
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+#: The kinds of KV-cache group (common.GroupLayout.kind) whose objects are published.
+PUBLISHED_KINDS = frozenset({"full", "mla"})
+
+
+def block_records(
+    request: "Request", tokens: Sequence[int], spans: Sequence[ChunkSpan], block_size: int, model: str, group_idx: int
+) -> dict[tuple[int, int], bytes]:
+    """An encoded ``BlockRecord`` for each span of ``tokens`` (the request's prompt) of vLLM's
+    KV-cache group ``group_idx``, by (start, end); none for a span with no whole block, or whose
+    blocks vLLM has not hashed."""
+    hashes = request.block_hashes
+    records = {}
+    for span in spans:
+        first, end = span.start // block_size, span.end // block_size
+        if span.start % block_size or end <= first or end > len(hashes):
+            continue
+        extra_keys, mm_index = [], 0
+        for block in range(first, end):
+            keys, mm_index = generate_block_hash_extra_keys(request, block * block_size, (block + 1) * block_size, mm_index)
+            extra_keys.append(keys)
+        lora = request.lora_request
+        record = BlockRecord(
+            model=model,
+            block_size=block_size,
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:end]],
+            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            token_ids=list(tokens[first * block_size : end * block_size]),
+            lora_id=lora.adapter_id if lora is not None else None,
+            lora_name=lora.name if lora is not None else None,
+            extra_keys=to_event_extra_keys(extra_keys),
+            group_idx=group_idx,
+        )
+        records[(span.start, span.end)] = record.encode()
+    return records
