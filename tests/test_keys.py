@@ -128,3 +128,53 @@ def test_lazy_partials_are_the_eager_ones():
     eager = prefix_keys(NS, toks, 256, 16)
     lazy = LazyPartials(NS, canonical_tokens(toks), eager.spans, 16)
     assert len(lazy) == 3 and [lazy[i] for i in range(3)] == eager.partials
+
+
+def _key_vectors() -> list[dict]:
+    """The test vectors of docs/keys.md: the spec and this test cannot drift apart."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "keys.md").read_text()
+    block = text.split("<!-- key-vectors -->", 1)[1].split("```json", 1)[1].split("```", 1)[0]
+    return json.loads(block)
+
+
+def _spec_key(previous: bytes, tokens: list[int]) -> bytes:
+    """docs/keys.md, written again from the text: blake3 over key[i-1], the tokens, the count."""
+    import struct
+
+    import blake3
+
+    return blake3.blake3(previous + struct.pack(f"<{len(tokens)}I", *tokens) + struct.pack("<I", len(tokens))).digest()
+
+
+def _spec_root(model: str, revision: str, layout: dict, salt: bytes) -> bytes:
+    import struct
+
+    import blake3
+
+    identity = json.dumps({"key_format": 2, "model": model, "revision": revision}, sort_keys=True, separators=(",", ":"))
+    data = b"kvtier-namespace\0"
+    for part in (identity.encode(), json.dumps(layout, sort_keys=True, separators=(",", ":")).encode(), salt):
+        data += struct.pack("<I", len(part)) + part
+    return blake3.blake3(data).digest()
+
+
+@pytest.mark.parametrize("vector", _key_vectors(), ids=lambda v: v["name"])
+def test_keys_match_the_documented_vectors(vector):
+    ns = Namespace(vector["model"], KVLayout(**vector["layout"]), vector["revision"], vector["tenant_salt"].encode())
+    tokens = list(range(vector["tokens"]["first"], vector["tokens"]["first"] + vector["tokens"]["count"]))
+    keys = prefix_keys(ns, tokens, vector["chunk_size"], vector["block_size"])
+    assert ns.root.hex() == vector["root"]
+    assert [[s.start, s.end, s.key.hex()] for s in keys.spans] == vector["chunks"]
+    assert [[s.start, s.end, s.key.hex()] for p in keys.partials for s in p] == vector.get("partials", [])
+    # the text of docs/keys.md, implemented on its own, gives the same keys
+    root = _spec_root(vector["model"], vector["revision"], vector["layout"], vector["tenant_salt"].encode())
+    assert root.hex() == vector["root"]
+    previous = root
+    for start, end, key in vector["chunks"]:
+        partial = [[start, e, _spec_key(previous, tokens[start:e]).hex()]
+                   for e in range(start + (vector["block_size"] or end), end, vector["block_size"] or 1)]
+        assert all(p in vector.get("partials", []) for p in partial)
+        previous = _spec_key(previous, tokens[start:end])
+        assert previous.hex() == key

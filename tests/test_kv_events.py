@@ -301,3 +301,22 @@ def test_a_block_two_objects_hold_is_announced_once_and_withdrawn_with_the_last(
     [(_, gone)] = index.removed(tier, b"f" * 32)
     assert isinstance(gone, BlockRemoved) and set(gone.block_hashes) == set(full.block_hashes)
     assert gone.medium == "CPU" and gone.ownership == "memory" and index.holds() == {}
+
+
+def test_kvtier_encodes_events_byte_for_byte_as_vllm_does():
+    from vllm.distributed import kv_events as vllm
+
+    from kvtier.wire import kv_events as ours
+
+    def batch(module):
+        return module.KVEventBatch(ts=1.5, events=[
+            module.BlockStored(block_hashes=[b"\x01" * 32, 7], parent_block_hash=None, token_ids=[1, 2, 3, 4],
+                               block_size=2, lora_id=3, medium="CPU", lora_name="adapter",
+                               extra_keys=[("adapter", "salt"), None], group_idx=0, locality="LOCAL", ownership="disk-nvme"),
+            module.BlockRemoved(block_hashes=[b"\x02" * 32], medium="STORAGE", group_idx=1, ownership="disk"),
+            module.AllBlocksCleared(),
+        ])
+
+    assert ours.encode_batch(batch(ours)) == msgspec.msgpack.encode(batch(vllm))
+    theirs = msgspec.msgpack.encode(batch(vllm))
+    assert ours.encode_batch(ours.decode_batch(theirs)) == theirs  # and reads vLLM's back unchanged
