@@ -262,6 +262,10 @@ def test_bad_block_records_are_refused_or_left_unpublished(tmp_path):
             reply = p.decode_reply(raw.recv())
             assert isinstance(reply, p.Error) and reply.code == "bad-request", reply
             assert reply.message.startswith("put: block record 0: not a block record"), reply
+        raw.send(p.encode(p.TakeEvents()))  # the publisher takes the events: no client may
+        assert raw.poll(5000)
+        reply = p.decode_reply(raw.recv())
+        assert isinstance(reply, p.Error) and "subscribe there" in reply.message, reply
         raw.close()
         work.store(7000, 2 * CHUNK)  # good records: both published
         settled(sub, work, disk)

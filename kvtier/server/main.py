@@ -69,6 +69,7 @@ class KvtierServer:
             admin_token=config.admin_token,
             status_extra=lambda: {"config": config.redacted(), "connected_clients": self._clients,
                                   "curve": self.curve is not None, "refused_peers": self._refused},
+            publishes_events=config.kv_events_port is not None,
         )
         self._ready = threading.Event()
         self._stopping = threading.Event()

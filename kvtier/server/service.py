@@ -53,8 +53,11 @@ class CacheService:
         lease_timeout_s: float = 30.0,
         admin_token: str = "",
         status_extra: Callable[[], dict] = dict,
+        publishes_events: bool = False,
     ) -> None:
+        """``publishes_events``: the server's KV-event publisher takes the store's events."""
         self.store = store
+        self.publishes_events = publishes_events
         self.arena = arena
         self.metrics = metrics
         self.lease_timeout_s = lease_timeout_s
@@ -300,6 +303,8 @@ class CacheService:
         return self._reply(p.StatusReply(status=self.status()))
 
     def _take_events(self, request: p.TakeEvents, frames: list) -> Response:
+        if self.publishes_events:  # each event goes to one taker: a client would tear holes in the stream
+            raise BadRequest("events: this server publishes its events on --kv-events-port; subscribe there")
         return self._reply(p.EventsReply(events=self.store.take_events()))
 
     # -- shared with the HTTP control plane --------------------------------------------------
