@@ -450,6 +450,44 @@ def test_a_service_port_its_pods_lack_is_rejected(manifests):
         test_every_service_targets_named_ports_of_its_pods(manifests)
 
 
+class _Parsed(Exception):
+    """Carries the parser ``kvtier``'s main built, instead of parsing with it."""
+
+
+def known_flags(monkeypatch) -> set[str]:
+    """The flags of ``kvtier server``, ``kvtier router``, ``kvtier keys generate`` and ``vllm serve``."""
+    from kvtier import cli
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def parsed(parser, argv=None):
+        raise _Parsed(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parsed)
+    with pytest.raises(_Parsed) as info:
+        cli.main([])
+    monkeypatch.undo()  # parse_args as it was, for vLLM's parser below
+    subcommands = lambda parser: next(  # noqa: E731
+        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    commands = subcommands(info.value.args[0])
+    parsers = (commands["server"], commands["router"], subcommands(commands["keys"])["generate"],
+               make_arg_parser(FlexibleArgumentParser()))
+    return {flag for parser in parsers for action in parser._actions for flag in action.option_strings}
+
+
+def unknown_flags(text: str, known: set[str]) -> set[str]:
+    """The flags ``text`` names that none of those programs (nor docker build, kubectl) has."""
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", text))
+    return named - known - {"--target", "--from-file", "--from-literal"}
+
+
+def test_every_flag_the_deploy_readme_names_is_a_real_one(monkeypatch):
+    known = known_flags(monkeypatch)
+    assert "--kv-events-port" in known and "--instance" in known and "--kv-transfer-config" in known
+    assert unknown_flags((DEPLOY / "README.md").read_text(), known) == set()
+    assert unknown_flags("add --kv-event-port=5556", known) == {"--kv-event-port"}  # the control
+
+
 def generated_key_pairs() -> list[tuple[str, str]]:
     """(folder, name) of each ``kvtier keys generate`` of deploy/README.md."""
     return re.findall(r"kvtier keys generate --dir (\S+) (\S+)", (DEPLOY / "README.md").read_text())
