@@ -191,3 +191,18 @@ def test_arena_of_a_killed_server_is_removed_by_the_next_one(server):
     assert all(path.exists() for path in mine)
     server.start()
     assert not any(path.exists() for path in mine)
+
+
+def test_stale_arena_cleanup_removes_unlocked_arenas_and_leaves_folders_alone(monkeypatch, tmp_path):
+    from kvtier.wire import shm
+
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    (tmp_path / "kvtier-folder-1").mkdir()  # another program's folder of a matching name
+    stale = tmp_path / "kvtier-123-abc"
+    stale.write_bytes(b"x")
+    live = shm.SharedArena.create(1 << 20)
+    try:
+        shm.remove_stale_arenas()
+        assert not stale.exists() and (tmp_path / "kvtier-folder-1").is_dir() and live.path.exists()
+    finally:
+        live.close()
