@@ -8,6 +8,14 @@ from __future__ import annotations
 LOGPROB_ATOL = 1e-3
 
 
+def step_diff(got: list, want: list) -> float:
+    """The largest difference between the logprobs two top-k lists of one step give the same
+    token (``inf`` when they share none)."""
+    got, want = dict(map(tuple, got)), dict(map(tuple, want))
+    shared = set(got) & set(want)
+    return max(abs(got[t] - want[t]) for t in shared) if shared else float("inf")
+
+
 def logprob_diff(out: dict, ref: dict) -> float:
     """The largest difference between the logprobs both outputs give a token, over every step
     (``inf`` when the greedy tokens differ or the reference's top token is missing)."""
@@ -15,10 +23,10 @@ def logprob_diff(out: dict, ref: dict) -> float:
         return float("inf")
     worst = 0.0
     for got, want in zip(out["logprobs"], ref["logprobs"]):
-        want, got = dict(map(tuple, want)), dict(map(tuple, got))
-        if max(want, key=want.get) not in got:
+        top = max(want, key=lambda pair: pair[1])[0]
+        if top not in dict(map(tuple, got)):
             return float("inf")
-        worst = max([worst, *(abs(got[t] - want[t]) for t in set(got) & set(want))])
+        worst = max(worst, step_diff(got, want))
     return worst
 
 

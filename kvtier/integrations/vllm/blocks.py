@@ -56,22 +56,33 @@ class PagedKV:
         missing = [name for name in group.layer_names if name not in kv_caches]
         if missing:
             raise ConfigError(f"vLLM registered no KV tensor for layers {missing[:4]}")
-        slots = []
+        slots, self.rows = [], []
         for name in group.layer_names:
             tensors = kv_caches[name]
             tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
-            if len(tensors) != len(group.rows):
-                raise ConfigError(f"layer {name}: {len(tensors)} KV tensors, the {group.kind} group has {len(group.rows)}")
-            slots += [self._row_view(name, t, row) for t, row in zip(tensors, group.rows)]
+            if len(tensors) == 1 and len(group.rows) > 1:
+                # one raw page per block (vLLM's CPU build for Mamba/GDN): the state tensors
+                # one after the other at its start, the padding after them
+                rows, exact = (group.page_bytes,), False
+            elif len(tensors) == len(group.rows):
+                rows, exact = group.rows, True
+            else:
+                raise ConfigError(
+                    f"layer {name}: {len(tensors)} KV tensors {[(tuple(t.shape), t.dtype) for t in tensors]},"
+                    f" the {group.kind} group has {len(group.rows)} of {group.rows} bytes a block"
+                )
+            slots += [self._row_view(name, t, row, exact) for t, row in zip(tensors, rows)]
+            self.rows += rows
         self.slots = slots
-        self.rows = [row for _ in group.layer_names for row in group.rows]
         self.page_bytes = group.page_bytes * len(group.layer_names)  # one block of every layer
         self.device = slots[0].device
         self.uniform = len(set(self.rows)) == 1
         self.pages = self._stack(slots) if self.uniform else None  # None unless evenly spaced in one allocation
         self._host = [t.numpy() for t in slots] if self.device.type == "cpu" else None
 
-    def _row_view(self, name: str, cache, row_bytes: int) -> torch.Tensor:
+    def _row_view(self, name: str, cache, row_bytes: int, exact: bool) -> torch.Tensor:
+        """``[block, row_bytes]`` bytes of ``cache`` (one row per block; with ``exact``, the
+        whole of each block's row, else its first ``row_bytes``)."""
         if not isinstance(cache, torch.Tensor):
             raise ConfigError(f"layer {name}: expected KV tensors, got {type(cache).__name__}")
         if cache.dim() < 2 or cache.shape[0] != self.num_blocks:
@@ -80,7 +91,8 @@ class PagedKV:
                 f" ({self.num_blocks} blocks); kernel block sizes other than the block size are not supported"
             )
         row = cache[0]
-        if not row.is_contiguous() or row.numel() * row.element_size() != row_bytes:
+        size = row.numel() * row.element_size()
+        if not row.is_contiguous() or size < row_bytes or (exact and size != row_bytes):
             raise ConfigError(
                 f"layer {name}: a block's KV is not one contiguous row of {row_bytes} bytes"
                 f" (shape {tuple(cache.shape)}, strides {cache.stride()}); this KV layout is not supported"

