@@ -198,7 +198,7 @@ def test_stale_arena_cleanup_removes_unlocked_arenas_and_leaves_folders_alone(mo
 
     monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
     (tmp_path / "kvtier-folder-1").mkdir()  # another program's folder of a matching name
-    stale = tmp_path / "kvtier-123-abc"
+    stale = tmp_path / "kvtier-123-0123456789ab"
     stale.write_bytes(b"x")
     live = shm.SharedArena.create(1 << 20)
     try:
