@@ -1,11 +1,13 @@
 """What the scheduler side and the worker side of the connector share: the KV layout read from
-vLLM, the namespace of a request, and the metadata the scheduler sends the workers each step.
+vLLM (one ``GroupLayout`` per KV-cache group: full attention, MLA, sliding window, chunked local,
+Mamba/GDN state; see hits.py for what each needs), the namespaces of a request, and the metadata
+the scheduler sends the workers each step.
 
 Blocks and chunks
 -----------------
 vLLM keeps KV in blocks of ``block_size`` tokens (128 on the CPU backend); kvtier keys chunks of
-``chunk_size`` tokens, a multiple of the block size. A chunk's payload is, for each layer in the
-order of vLLM's KV-cache group, the pages of the chunk's blocks, each page copied byte for byte
+``chunk_size`` tokens, a multiple of the block size. An object is one chunk of one group; its
+payload is, for each layer of the group in vLLM's order, the pages of the blocks it holds, each page copied byte for byte
 from vLLM's standardized per-layer view ``[blocks, heads, tokens, content]`` (one page = one
 block of one layer). Whole pages are copied, never single tokens, so the interior of a page
 (the CPU backend stores K transposed, CUDA backends differ) never has to be interpreted; the
