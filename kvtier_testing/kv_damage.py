@@ -50,18 +50,37 @@ def read_objects(store, keys: Sequence[bytes]) -> dict[bytes, bytes]:
         store.release(leases)
 
 
-def damaged(obj: bytes, damage: Callable[[np.ndarray], None], pages: PageView) -> bytes:
-    """A copy of a raw float32 object with ``damage`` done to its payload, resealed: its
-    checksum is valid again, so only the KV itself is wrong."""
+def stored_objects(store) -> dict[bytes, bytes]:
+    """Copies of every object an embedded store holds, flushed to its first lower tier (a disk
+    tier, whose files name the keys) first."""
+    store.flush()
+    return read_objects(store, sorted(bytes.fromhex(path.stem) for path in store.lower[0].path.glob("*.kv")))
+
+
+def _resealed(obj: bytes, dtype, change: Callable[[np.ndarray], None]) -> bytes:
+    """A copy of a raw object with ``change`` done to its payload (viewed as ``dtype``),
+    resealed: its checksum is valid again, so only the KV itself is wrong."""
     header = read_header(obj)
-    assert header.codec_id == 0 and header.dtype == "float32", header  # raw float32 KV
+    assert header.codec_id == 0, header  # raw KV
     buf = bytearray(obj)
-    kv = np.frombuffer(memoryview(buf)[HEADER_SIZE : HEADER_SIZE + header.payload_length], dtype=np.float32)
-    before = kv.copy()
-    damage(pages(kv))
-    assert not np.array_equal(kv, before), "the damage changed nothing"
+    payload = np.frombuffer(memoryview(buf)[HEADER_SIZE : HEADER_SIZE + header.payload_length], dtype=dtype)
+    before = payload.copy()
+    change(payload)
+    assert not np.array_equal(payload, before), "the damage changed nothing"
     reseal(memoryview(buf), header, header.codec_id)
     return bytes(buf)
+
+
+def damaged(obj: bytes, damage: Callable[[np.ndarray], None], pages: PageView) -> bytes:
+    """A copy of a raw float32 object with ``damage`` done to its pages, resealed."""
+    assert read_header(obj).dtype == "float32", read_header(obj)
+    return _resealed(obj, np.float32, lambda kv: damage(pages(kv)))
+
+
+def zeroed(obj: bytes) -> bytes:
+    """A copy of a raw object of any dtype (recurrent state included) with its payload zeroed,
+    resealed."""
+    return _resealed(obj, np.uint8, lambda payload: payload.fill(0))
 
 
 def replace_objects(store, objects: dict[bytes, bytes]) -> None:

@@ -26,7 +26,7 @@ from kvtier.layout import KVLayout
 from kvtier.objects import read_header
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
 from kvtier_testing.exactness import mismatch
-from kvtier_testing.kv_damage import DAMAGES, damaged, read_objects, replace_objects
+from kvtier_testing.kv_damage import DAMAGES, damaged, replace_objects, stored_objects
 from kvtier_testing.kvtier_processes import ServerProcess, free_port
 
 CHUNK = 256
@@ -375,9 +375,8 @@ def test_the_exactness_check_fails_on_wrong_kv(engines, reference, open_server):
     engine, store = engines["open"], open_server.store
     assert_same(_ask(engine, "f1"), reference["f1"], "cold f1")
     engine.drain()
-    store.flush()  # every object on disk too, where their keys can be listed
-    keys = sorted(bytes.fromhex(path.stem) for path in (store.lower[0].path).glob("*.kv"))
-    objects = read_objects(store, keys)
+    objects = stored_objects(store)
+    keys = sorted(objects)
     chunk = next(key for key in keys if read_header(objects[key]).num_tokens == CHUNK)
     for damage in [None, *DAMAGES]:
         wrong = damaged(objects[chunk], DAMAGES[damage], vllm_pages) if damage else objects[chunk]

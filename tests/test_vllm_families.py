@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.objects import HEADER_SIZE, read_header, reseal
+from kvtier.objects import read_header
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
 from kvtier_testing.exactness import LOGPROB_ATOL, logprob_diff, mismatch, step_diff
-from kvtier_testing.kv_damage import read_objects, replace_objects
+from kvtier_testing.kv_damage import replace_objects, stored_objects, zeroed
 from kvtier_testing.kvtier_processes import free_port
 from kvtier_testing.tiny_model import FAMILIES, build_tiny_model
 
@@ -211,22 +211,6 @@ def test_cold_warm_and_after_a_server_restart_match_vllm_alone(run, server):
         _negative_control(run, server)
 
 
-def _objects(store) -> dict[bytes, bytes]:
-    store.flush()
-    keys = sorted(bytes.fromhex(p.stem) for p in store.lower[0].path.glob("*.kv"))
-    return read_objects(store, keys)
-
-
-def _zeroed(obj: bytes) -> bytes:
-    """The object with its payload zeroed and resealed (a valid checksum: only the KV is wrong)."""
-    header = read_header(obj)
-    assert header.codec_id == 0, header
-    buf = bytearray(obj)
-    buf[HEADER_SIZE : HEADER_SIZE + header.payload_length] = bytes(header.payload_length)
-    reseal(memoryview(buf), header, header.codec_id)
-    return bytes(buf)
-
-
 #: Families whose negative control damages each group's objects in turn: their number of groups
 NEGATIVE_CONTROLS = {"sliding_mixed": 2, "hybrid_gdn": 2, "mla": 1}
 
@@ -239,14 +223,14 @@ def _negative_control(run: Run, server: Server) -> None:
     server.store.clear()  # only this family's objects from here
     run.ask(engine, "q3")
     engine.drain()
-    objects = _objects(server.store)
+    objects = stored_objects(server.store)
     groups: dict[bytes, set[bytes]] = {}
     for key, obj in objects.items():
         groups.setdefault(read_header(obj).layout_fingerprint, set()).add(key)
     expected = NEGATIVE_CONTROLS[run.name]
     assert len(groups) == expected, f"{run.name}: objects of {len(groups)} layouts, expected {expected} (one per group)"
     for victims in [set(), *groups.values()]:
-        replace_objects(server.store, {k: _zeroed(o) if k in victims else o for k, o in objects.items()})
+        replace_objects(server.store, {k: zeroed(o) if k in victims else o for k, o in objects.items()})
         out = run.ask(engine, "q3")
         engine.drain()
         assert out["num_cached_tokens"] >= WARM_HIT, (len(victims), out)

@@ -184,7 +184,7 @@ def group_layout(index: int, group, block_size: int, tp_size: int, arrangement: 
             raise ConfigError(f"kvtier does not cache MLA KV stored as {spec.cache_dtype_str}")
         layout = KVLayout(num_kv_heads=1, head_size=spec.head_size, dtype=dtype, group="mla", kv_parts=1,
                           **{**common, "tp_size": 1})
-        return GroupLayout(index, "mla", names, (layout.block_size * layout.bytes_per_token // len(names),), layout)
+        return _attention_group(index, "mla", names, layout)
     window = getattr(spec, "sliding_window", None)
     local = getattr(spec, "attention_chunk_size", None)
     if kind is FullAttentionSpec and (window or local):
@@ -199,7 +199,12 @@ def group_layout(index: int, group, block_size: int, tp_size: int, arrangement: 
     else:
         layout = KVLayout(group="kv", **geometry)  # the single group of dense models keeps its keys
         kind_name = "full"
-    return GroupLayout(index, kind_name, names, (layout.block_size * layout.bytes_per_token // len(names),), layout)
+    return _attention_group(index, kind_name, names, layout)
+
+
+def _attention_group(index: int, kind: str, names: tuple[str, ...], layout: KVLayout) -> GroupLayout:
+    """An attention group: one page per block and layer."""
+    return GroupLayout(index, kind, names, (layout.block_size * layout.bytes_per_token // len(names),), layout)
 
 
 def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> EngineLayout:

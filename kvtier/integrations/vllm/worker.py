@@ -124,8 +124,9 @@ class KvtierWorker:
             spans = job.spans[self.tp_rank][g]
             retrieval = None
             try:
+                asked = time.perf_counter()
                 retrieval = self._loads.retrieve_spans(spaces[g], spans)
-                self.stats.retrieve_s += time.perf_counter() - started
+                self.stats.retrieve_s += time.perf_counter() - asked
                 loaded[g] = self._scatter(group, self.pages[g], job.start, job.end, job.block_ids[g], retrieval)
                 self.pages[g].synchronize()  # before the objects are released
             except Exception:
