@@ -182,19 +182,6 @@ def test_pages_round_trip_through_a_payload_byte_for_byte(block_ids):
     assert torch.equal(allocation[:, :60], original[:, :60])
 
 
-def test_pages_refuse_a_layout_whose_blocks_are_not_contiguous():
-    import torch
-
-    from kvtier.integrations.vllm.blocks import PagedKV
-
-    engine = _full_group(1)
-    tokens_first = torch.randn(64, 16, 2, 64).transpose(1, 2)  # [block, heads, tokens, C] over [block, tokens, heads, C]
-    with pytest.raises(ConfigError, match="not one contiguous row"):
-        PagedKV({"layer0": tokens_first}, engine, 64)
-    with pytest.raises(ConfigError, match="one row per block"):
-        PagedKV({"layer0": torch.randn(128, 2, 8, 64)}, engine, 64)
-
-
 def test_staging_ring_hands_out_regions_in_order_and_never_overlapping():
     from kvtier.integrations.vllm.saver import StagingRing
 

@@ -1,20 +1,36 @@
 """vLLM's KV tensors seen as pages, and the copies between pages and chunk payloads (worker side).
 
-vLLM hands the connector, per layer, one tensor (attention: a view ``[blocks, heads, tokens,
-content]`` of its KV allocation) or several (Mamba/GDN: conv and SSM state), each with one row
-per block. kvtier needs one thing from them: that the row of one block is a contiguous run of
-bytes. That is checked here, on the tensors themselves, rather than assumed (the groups of a
-hybrid model overlay one allocation, and attention pages may be padded to the Mamba page: the
-strides say where each row is); the interior of a row is never interpreted. When every layer
-of a group lives in one allocation at a constant distance from the next (layer-outermost layouts
-such as the CPU backend's ``LBHNC``), one strided view ``[layer, block, page]`` covers them all,
-and on an accelerator each copy moves a block range of every layer at once; on CPU, copies go
-layer by layer (see below).
+vLLM hands the connector, per layer, one tensor or several (Mamba/GDN: conv and SSM state), each
+holding every block. Where a block's bytes lie is read from the tensor's shape and strides, never
+assumed from a backend's name (``block_form``): the block dimension is the first, or the second
+after a leading K/V dimension of two; the rest of a block is one or more contiguous runs of bytes
+at fixed distances from the block's start. Layouts this covers, among others:
+
+    vLLM 0.32, logical [B, H, N, C]   LBHNC, BLHNC (heads outer): one run a block
+                                       LBNHC, BLNHC (tokens outer): one run a block
+                                       LHBNC, BHLNC: one run per head
+    FlashAttention  (2, B, N, H, D)    NHD and HND: two runs a block, K and V
+    FlashInfer      (B, 2, N, H, D)    one run a block
+    MLA             (B, N, D)          one run a block
+    cross-layer     [B, L, ...]        per-layer views blocks L pages apart (BLHNC, or
+                                       (B, L, 2, N, H, D) of earlier versions)
+
+A block's page (one layer) is its runs in the order of their addresses, each copied byte for
+byte: the interior of a run is never interpreted, and pages are only ever loaded into an engine
+of the same arrangement (its layout name is in every key). A tensor whose elements overlap
+(a broadcast view) is refused. When every layer of a group lives in one allocation at a constant
+distance from the next (``LBHNC``, and the cross-layer layouts), one strided view
+``[layer, block, ...]`` covers them all and each copy moves every layer at once.
+
+On CUDA the copies run on a stream of their own between page-locked host memory and the KV
+tensors (``device_copy.py``).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -22,41 +38,101 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.common import GroupLayout
+from kvtier.integrations.vllm.device_copy import DeviceCopies
 
 # Payloads retrieved from the cache are read-only views; they are only ever read from here.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
-#: Above this many runs of consecutive block ids, one indexed copy beats a copy per run.
+#: Above this many runs of consecutive block ids, one indexed copy beats a copy per run (host).
 MAX_RUN_COPIES = 4
 
 
 def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(position in block_ids, first block id, length) of each run of consecutive ids."""
-    runs = []
-    pos = 0
-    n = len(block_ids)
-    while pos < n:
-        end = pos + 1
-        while end < n and block_ids[end] == block_ids[end - 1] + 1:
-            end += 1
-        runs.append((pos, block_ids[pos], end - pos))
-        pos = end
-    return runs
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if not ids.size:
+        return []
+    starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
+    lengths = np.diff(starts, append=ids.size)
+    return [(int(p), int(ids[p]), int(n)) for p, n in zip(starts, lengths)]
+
+
+@dataclass(frozen=True)
+class BlockForm:
+    """Where each block's bytes lie in a KV tensor: block ``b`` starts ``offset + b * stride``
+    bytes into the storage and holds one run of ``run`` contiguous bytes at each point of the
+    grid ``parts`` (``part_strides`` bytes apart), in address order."""
+
+    offset: int
+    stride: int
+    parts: tuple[int, ...]
+    part_strides: tuple[int, ...]
+    run: int
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.parts) * self.run
+
+
+def _disjoint(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """No two elements at one address (sufficient: each dimension steps past all inner ones)."""
+    extent = 1
+    for size, stride in sorted(((n, s) for n, s in zip(shape, strides) if n > 1), key=lambda d: d[1]):
+        if stride < extent:
+            return False
+        extent += stride * (size - 1)
+    return True
+
+
+def block_form(name: str, cache: torch.Tensor, num_blocks: int) -> BlockForm:
+    """Read a tensor's ``BlockForm`` from its shape and strides, or ConfigError."""
+    if not isinstance(cache, torch.Tensor):
+        raise ConfigError(f"layer {name}: expected KV tensors, got {type(cache).__name__}")
+    shape, strides = tuple(cache.shape), tuple(cache.stride())
+    if len(shape) >= 2 and shape[0] == num_blocks:
+        dim = 0
+    elif len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks:
+        dim = 1  # K and V apart, each holding every block (FlashAttention's (2, B, ...))
+    else:
+        raise ConfigError(
+            f"layer {name}: KV tensor of shape {shape} does not have one row per block"
+            f" ({num_blocks} blocks); kernel block sizes other than the block size are not supported"
+        )
+    if not _disjoint(shape, strides):
+        raise ConfigError(f"layer {name}: KV tensor of shape {shape} with strides {strides} overlaps itself")
+    inner = sorted(((n, s) for d, (n, s) in enumerate(zip(shape, strides)) if d != dim and n > 1), key=lambda d: -d[1])
+    run = 1
+    while inner and inner[-1][1] == run:  # the contiguous run: the innermost dimensions back to back
+        run *= inner.pop()[0]
+    item = cache.element_size()
+    return BlockForm(
+        cache.storage_offset() * item, strides[dim] * item,
+        tuple(n for n, _ in inner), tuple(s * item for _, s in inner), run * item,
+    )
+
+
+def _byte_view(cache: torch.Tensor, form: BlockForm, num_blocks: int) -> torch.Tensor:
+    """``[block, *parts, run]`` uint8 view of ``cache``'s storage."""
+    view = torch.empty(0, dtype=torch.uint8, device=cache.device)
+    view.set_(cache.untyped_storage(), form.offset, (num_blocks, *form.parts, form.run), (form.stride, *form.part_strides, 1))
+    return view
 
 
 class PagedKV:
     """Byte views of one KV-cache group's pages: ``slots`` holds, for each layer of the group in
     order and each of the layer's tensors (one for attention; conv and SSM state for Mamba/GDN),
-    a ``[block, row_bytes]`` uint8 view. A payload of ``n`` blocks is the slots' rows one after
-    the other: ``[slot][block][row]``, contiguous (for attention, ``[layer, block, page]``)."""
+    a ``[block, *parts, run]`` uint8 view (``BlockForm``). A payload of ``n`` blocks is the slots'
+    rows one after the other: ``[slot][block][row]``, contiguous (for attention,
+    ``[layer, block, page]``)."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], group: GroupLayout, num_blocks: int) -> None:
+    def __init__(self, kv_caches: dict[str, torch.Tensor], group: GroupLayout, num_blocks: int,
+                 host_copies: bool | None = None) -> None:
         self.group = group
         self.num_blocks = num_blocks
         missing = [name for name in group.layer_names if name not in kv_caches]
         if missing:
             raise ConfigError(f"vLLM registered no KV tensor for layers {missing[:4]}")
-        slots, self.rows = [], []
+        slots, self.rows, self.forms = [], [], []
         for name in group.layer_names:
             tensors = kv_caches[name]
             tensors = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
@@ -71,41 +147,34 @@ class PagedKV:
                     f"layer {name}: {len(tensors)} KV tensors {[(tuple(t.shape), t.dtype) for t in tensors]},"
                     f" the {group.kind} group has {len(group.rows)} of {group.rows} bytes a block"
                 )
-            slots += [self._row_view(name, t, row, exact) for t, row in zip(tensors, rows)]
+            for t, row in zip(tensors, rows):
+                form = self._form(name, t, row, exact)
+                slots.append(_byte_view(t, form, num_blocks))
+                self.forms.append(form)
             self.rows += rows
         self.slots = slots
         self.page_bytes = group.page_bytes * len(group.layer_names)  # one block of every layer
         self.device = slots[0].device
-        self.uniform = len(set(self.rows)) == 1
+        self.uniform = len(set(self.rows)) == 1 and len({f.parts for f in self.forms}) == 1
         self.pages = self._stack(slots) if self.uniform else None  # None unless evenly spaced in one allocation
-        self._host = [t.numpy() for t in slots] if self.device.type == "cpu" else None
+        host = self.device.type == "cpu" if host_copies is None else host_copies
+        self._host = [t.numpy() for t in slots] if host else None
+        self._host_pages = self.pages.numpy() if host and self.pages is not None else None
+        self._device = None if host else DeviceCopies(self.device)
 
-    def _row_view(self, name: str, cache, row_bytes: int, exact: bool) -> torch.Tensor:
-        """``[block, row_bytes]`` bytes of ``cache`` (one row per block; with ``exact``, the
-        whole of each block's row, else its first ``row_bytes``)."""
-        if not isinstance(cache, torch.Tensor):
-            raise ConfigError(f"layer {name}: expected KV tensors, got {type(cache).__name__}")
-        if cache.dim() < 2 or cache.shape[0] != self.num_blocks:
-            raise ConfigError(
-                f"layer {name}: KV tensor of shape {tuple(cache.shape)} does not have one row per block"
-                f" ({self.num_blocks} blocks); kernel block sizes other than the block size are not supported"
-            )
-        row = cache[0]
-        size = row.numel() * row.element_size()
-        if not row.is_contiguous() or size < row_bytes or (exact and size != row_bytes):
-            raise ConfigError(
-                f"layer {name}: a block's KV is not one contiguous row of {row_bytes} bytes"
-                f" (shape {tuple(cache.shape)}, strides {cache.stride()}); this KV layout is not supported"
-            )
-        itemsize = cache.element_size()
-        view = torch.empty(0, dtype=torch.uint8, device=cache.device)
-        view.set_(
-            cache.untyped_storage(),
-            cache.storage_offset() * itemsize,
-            (self.num_blocks, row_bytes),
-            (cache.stride(0) * itemsize, 1),
+    def _form(self, name: str, cache, row_bytes: int, exact: bool) -> BlockForm:
+        """The tensor's ``BlockForm``, checked against the bytes a block must hold there (with
+        ``exact``, all of its row; else the first ``row_bytes`` of one contiguous row)."""
+        form = block_form(name, cache, self.num_blocks)
+        if exact and form.row_bytes == row_bytes:
+            return form
+        if not exact and not form.parts and form.run >= row_bytes:
+            return BlockForm(form.offset, form.stride, (), (), row_bytes)
+        raise ConfigError(
+            f"layer {name}: a block holds {form.row_bytes} bytes in {math.prod(form.parts)} runs"
+            f" (shape {tuple(cache.shape)}, strides {cache.stride()}), the group needs"
+            f" {'' if exact else 'one run of at least '}{row_bytes}; this KV layout is not supported"
         )
-        return view
 
     @staticmethod
     def _stack(slots: list[torch.Tensor]) -> torch.Tensor | None:
@@ -119,75 +188,105 @@ class PagedKV:
             return None
         view = torch.empty(0, dtype=torch.uint8, device=first.device)
         view.set_(storage, offsets[0], (len(slots), *first.shape), (step, *first.stride()))
-        return view
+        return view if _disjoint(view.shape, view.stride()) else None  # cross-layer: layers interleave
 
     # -- copies --------------------------------------------------------------------------------
     #
-    # On CPU the copies go through numpy, slot by slot, both sides contiguous: plain memcpy on
-    # the calling thread. torch would split them over its intra-op threads, which is no faster
-    # for a memory copy and can be a hundred times slower when the cores are busy (the engine's
-    # own threads, the saver thread). On an accelerator, torch copies, all layers at once where
-    # one view covers them.
+    # On CPU the copies go through numpy on the calling thread, every layer of a run of blocks
+    # at once where one view covers them, else slot by slot: plain memcpy of each run. torch
+    # would split them over its intra-op threads, which is no faster for a memory copy and can
+    # be a hundred times slower when the cores are busy (the engine's own threads, the saver
+    # thread). On an accelerator, torch copies in a few batched operations (device_copy.py): a
+    # payload moves in one transfer (one per slot where its blocks are a part of it), and one
+    # indexed copy puts its blocks of every layer in place, in words as wide as the runs allow.
 
     def payload_bytes(self, num_blocks: int) -> int:
         return num_blocks * self.page_bytes
 
     def _segments(self, buffer, num_blocks: int):
-        """A payload of ``num_blocks`` blocks cut into one ``[block, row]`` array per slot (one
-        ``[slot, block, row]`` array where all rows are alike)."""
+        """A payload of ``num_blocks`` blocks cut into one ``[block, *parts, run]`` array per slot
+        (one ``[slot, block, *parts, run]`` array where all slots are alike)."""
         array = np.frombuffer(buffer, dtype=np.uint8)
         if self.uniform:
-            return array.reshape(len(self.rows), num_blocks, self.rows[0])
+            return array.reshape(len(self.rows), num_blocks, *self.forms[0].parts, self.forms[0].run)
         segments, offset = [], 0
-        for row in self.rows:
+        for row, form in zip(self.rows, self.forms):
             size = num_blocks * row
-            segments.append(array[offset : offset + size].reshape(num_blocks, row))
+            segments.append(array[offset : offset + size].reshape(num_blocks, *form.parts, form.run))
             offset += size
         return segments
+
+    def _host_pairs(self, segments):
+        """(vLLM's pages, payload) array pairs for the host copies, and the index that precedes
+        the block axis in both."""
+        if self._host_pages is not None:
+            return [(self._host_pages, segments)], (slice(None),)
+        return list(zip(self._host, segments)), ()
 
     def scatter(self, payload, num_blocks: int, first: int, block_ids: Sequence[int]) -> None:
         """Blocks ``first..first+len(block_ids)`` of a payload (bytes-like of ``num_blocks``
         blocks) into vLLM's blocks ``block_ids``."""
-        if not block_ids:
+        n = len(block_ids)
+        if not n:
+            return
+        segments = self._segments(payload, num_blocks)
+        if self._device is not None:
+            with self._device.copying(payload) as copies:
+                index = copies.index(block_ids)
+                if self.pages is not None:
+                    _wide(self.pages).index_copy_(1, index, _as(copies.to_device(torch.from_numpy(segments[:, first : first + n])), self.pages))
+                else:
+                    for dst, src in zip(self.slots, segments):
+                        _wide(dst).index_copy_(0, index, _as(copies.to_device(torch.from_numpy(src[first : first + n])), dst))
             return
         runs = _runs(block_ids)
-        segments = self._segments(payload, num_blocks)
-        if self._host is not None:
-            for dst, src in zip(self._host, segments):
-                if len(runs) <= MAX_RUN_COPIES:
-                    for pos, block, length in runs:
-                        dst[block : block + length] = src[first + pos : first + pos + length]
-                else:
-                    dst[np.asarray(block_ids)] = src[first : first + len(block_ids)]
-            return
-        if self.pages is not None and len(runs) <= MAX_RUN_COPIES:
-            stacked = torch.from_numpy(segments)
-            for pos, block, length in runs:
-                self.pages[:, block : block + length].copy_(stacked[:, first + pos : first + pos + length], non_blocking=True)
-            return
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for dst, src in zip(self.slots, segments):
-            dst.index_copy_(0, index, torch.from_numpy(src[first : first + len(block_ids)]).to(self.device, non_blocking=True))
+        pairs, lead = self._host_pairs(segments)
+        for dst, src in pairs:
+            if len(runs) <= MAX_RUN_COPIES:
+                for pos, block, length in runs:
+                    dst[(*lead, slice(block, block + length))] = src[(*lead, slice(first + pos, first + pos + length))]
+            else:
+                dst[(*lead, np.asarray(block_ids))] = src[(*lead, slice(first, first + n))]
 
     def gather(self, block_ids: Sequence[int], dest: memoryview) -> None:
         """vLLM's blocks ``block_ids`` into ``dest``, a writable payload buffer of
         ``len(block_ids)`` blocks."""
-        runs = _runs(block_ids)
-        n = len(block_ids)
-        segments = self._segments(dest, n)
-        if self._host is not None:
-            for out, src in zip(segments, self._host):
-                if len(runs) <= MAX_RUN_COPIES:
-                    for pos, block, length in runs:
-                        out[pos : pos + length] = src[block : block + length]
+        segments = self._segments(dest, len(block_ids))
+        if self._device is not None:
+            with self._device.copying(dest) as copies:
+                index = copies.index(block_ids)
+                if self.pages is not None:
+                    copies.to_host(_wide(self.pages).index_select(1, index), torch.from_numpy(segments))
                 else:
-                    np.take(src, np.asarray(block_ids), axis=0, out=out)
+                    for out, src in zip(segments, self.slots):
+                        copies.to_host(_wide(src).index_select(0, index), torch.from_numpy(out))
             return
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for out, src in zip(segments, self.slots):
-            torch.from_numpy(out).copy_(src.index_select(0, index))
+        runs = _runs(block_ids)
+        pairs, lead = self._host_pairs(segments)
+        for src, out in pairs:
+            if len(runs) <= MAX_RUN_COPIES:
+                for pos, block, length in runs:
+                    out[(*lead, slice(pos, pos + length))] = src[(*lead, slice(block, block + length))]
+            else:
+                np.take(src, np.asarray(block_ids), axis=len(lead), out=out)
 
     def synchronize(self) -> None:
-        """Wait for copies queued on the device (no-op on CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        """Wait for the copies queued on the device (their event; never the engine's stream).
+        No-op on CPU."""
+        if self._device is not None:
+            self._device.wait()
+
+
+def _wide(view: torch.Tensor) -> torch.Tensor:
+    """A byte view as the widest integers its runs, strides and offset allow (an indexed copy
+    moves one element per thread on a GPU)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if view.shape[-1] % size == 0 and view.storage_offset() % size == 0 and all(s % size == 0 for s in view.stride()[:-1]):
+            return view.view(dtype)
+    return view
+
+
+def _as(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Contiguous bytes ``data`` as the element type ``_wide`` gives ``like``."""
+    return data.view(_wide(like).dtype)

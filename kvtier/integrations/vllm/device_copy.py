@@ -1,0 +1,179 @@
+"""Copies between host memory and KV tensors on an accelerator, off the engine's stream (worker side).
+
+On CUDA a copy between the device and ordinary (pageable) host memory goes through a bounce
+buffer of the driver and blocks the calling thread; from page-locked memory it is DMA and
+asynchronous. So the host memory kvtier copies from and to is registered page-locked
+(``cudaHostRegister`` through torch's cudart): the whole mapping a buffer belongs to, once (the
+server's shared arena that a client maps, the embedded store's arena, the saver's staging ring).
+Copies run on a stream of their own; the stream first waits (on the device, not on the host) for
+the work queued on the engine's stream, so a save reads what the forward pass wrote and a load
+never writes a block a queued kernel still uses. The copies' completion is an event: the worker
+waits on it where vLLM needs the bytes (before a loaded request runs, before the objects copied
+from are released, before the saver thread reads the staging ring), and nothing here ever
+synchronises the engine's stream.
+
+On other accelerators the copies are plain blocking torch copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import sys
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
+
+#: cudaHostRegisterPortable: page-locked for every CUDA context of the process
+_PORTABLE = 1
+
+
+def _owner(buffer):
+    """The object that owns a buffer's memory (a memoryview's exporter, an array's base)."""
+    obj = buffer
+    while True:
+        if isinstance(obj, memoryview):
+            obj = obj.obj
+        elif isinstance(obj, np.ndarray) and obj.base is not None:
+            obj = obj.base
+        else:
+            return obj
+
+
+@dataclass
+class _Pin:
+    owner: object
+    hold: memoryview  # an export: the owner cannot be unmapped (mmap.close fails) while pinned
+    address: int
+    size: int
+
+
+def _cudart_register(address: int, size: int) -> bool:
+    return int(torch.cuda.cudart().cudaHostRegister(address, size, _PORTABLE)) == 0
+
+
+def _cudart_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+class HostPins:
+    """The host mappings registered page-locked. A mapping is pinned whole, at its first copy,
+    and stays mapped while pinned (a view of it is held). One that nobody else holds any more
+    (the client mapped a new arena after a server restart) is unregistered at the next pin, and
+    then freed. Memory another owner lends (bytes, a bytearray that could be resized) is never
+    pinned: copies from it are staged by the driver."""
+
+    #: references to a pinned owner that are ours: the record, the held view, getrefcount's argument
+    _OURS = 3
+
+    def __init__(self, register: Callable[[int, int], bool] = _cudart_register,
+                 unregister: Callable[[int], None] = _cudart_unregister) -> None:
+        self._register, self._unregister = register, unregister
+        self._pins: dict[int, _Pin] = {}
+        self._refused = weakref.WeakValueDictionary()  # owners whose registration failed: not retried
+        self._lock = threading.Lock()  # loads and saves may come from different threads
+
+    def pin(self, buffer) -> bool:
+        """Whether ``buffer``'s memory is page-locked (registering its mapping now if need be)."""
+        with self._lock:
+            return self._pin(_owner(buffer))
+
+    def _pin(self, owner) -> bool:
+        key = id(owner)
+        pinned = self._pins.get(key)
+        if pinned is not None and pinned.owner is owner:
+            return True
+        self._drop_abandoned()
+        if self._refused.get(key) is owner or not isinstance(owner, (mmap.mmap, np.ndarray)):
+            return False
+        hold = memoryview(owner)
+        if isinstance(owner, np.ndarray):
+            if not owner.flags.c_contiguous:
+                return False
+            address, size = owner.ctypes.data, owner.nbytes
+        else:
+            array = np.frombuffer(hold, dtype=np.uint8)
+            address, size = array.ctypes.data, array.nbytes
+            del array
+        if not self._register(address, size):
+            log.warning("kvtier: cannot page-lock %d bytes of host memory; copies from it are staged", size)
+            self._refused[key] = owner
+            return False
+        self._pins[key] = _Pin(owner, hold, address, size)
+        return True
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(p.size for p in self._pins.values())
+
+    def _drop_abandoned(self) -> None:
+        for key, pinned in list(self._pins.items()):
+            if sys.getrefcount(pinned.owner) <= self._OURS:
+                self._release(key)
+
+    def _release(self, key: int) -> None:
+        pinned = self._pins.pop(key)
+        self._unregister(pinned.address)
+        pinned.hold.release()
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._pins):
+                self._release(key)
+
+
+class DeviceCopies:
+    """The copies of one device's KV: on CUDA on a stream of their own, between page-locked host
+    memory and the device, their completion an event."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pins = HostPins() if self.cuda else None
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            self.engine_stream = torch.cuda.current_stream(device)  # built on the engine's thread
+        self._done = None  # the event recorded after the last copies queued
+
+    @contextmanager
+    def copying(self, host) -> Iterator["DeviceCopies"]:
+        """Queue copies to or from ``host`` (a buffer) inside the block."""
+        if not self.cuda:
+            yield self
+            return
+        self.pins.pin(host)
+        self.stream.wait_stream(self.engine_stream)
+        with torch.cuda.stream(self.stream):
+            yield self
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._done = done
+
+    def index(self, block_ids) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(block_ids, dtype=np.int64)).to(self.device, non_blocking=self.cuda)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the device: one transfer where it is contiguous, one per leading index else."""
+        if host.is_contiguous():
+            return host.to(self.device, non_blocking=self.cuda)
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        for i in range(host.shape[0]):
+            out[i].copy_(host[i], non_blocking=self.cuda)
+        return out
+
+    def to_host(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        """A contiguous device tensor into a contiguous host tensor of the same bytes."""
+        host.copy_(device.view(torch.uint8).view(host.shape), non_blocking=self.cuda)
+
+    def wait(self) -> None:
+        """Wait for the copies queued so far (not for the engine's work)."""
+        if self._done is not None:
+            self._done.synchronize()
+
