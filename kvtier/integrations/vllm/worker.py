@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.integrations.vllm.blocks import PagedKV
@@ -160,26 +161,28 @@ class KvtierWorker:
         there was written)."""
         bs, layout = self.block_size, group.layout
         first = start // bs
-        needed = {i for i, block in enumerate(ids) if block != NULL_BLOCK}
+        ids = np.asarray(ids, dtype=np.int64)
+        needed = ids != NULL_BLOCK
         written = False
         for chunk in retrieval.chunks:
             span = chunk.span
             stored = layout.stored_blocks(span.num_tokens)
             base = span.start // bs + stored.start  # the first block the object holds
-            lo, hi = max(base, first), min(span.start // bs + stored.stop, first + len(ids))
-            runs = [(i - first, ids[i - first]) for i in range(lo, hi) if ids[i - first] != NULL_BLOCK]
-            if not runs:
+            lo, hi = max(base, first) - first, min(span.start // bs + stored.stop, first + len(ids)) - first
+            kept = np.flatnonzero(ids[lo:hi] != NULL_BLOCK) if lo < hi else ()
+            if not len(kept):
                 continue
-            positions = [p for p, _ in runs]
-            if positions != list(range(positions[0], positions[0] + len(positions))):
+            if kept[-1] - kept[0] + 1 != len(kept):
                 raise RuntimeError("vLLM's blocks of a group are not contiguous in the range a load restores")
-            pages_.scatter(chunk.payload, len(stored), first + positions[0] - base, [b for _, b in runs])
-            needed.difference_update(positions)
+            lo, hi = lo + int(kept[0]), lo + int(kept[-1]) + 1
+            pages_.scatter(chunk.payload, len(stored), first + lo - base, ids[lo:hi])
+            needed[lo:hi] = False
             written = True
-            self.stats.load_bytes += len(runs) * pages_.page_bytes
+            self.stats.load_bytes += (hi - lo) * pages_.page_bytes
         if group.retention == "state":  # the one block that holds the state at ``end``
             return end if written else start
-        return start + min(needed) * bs if needed else end
+        missing = np.flatnonzero(needed)
+        return start + int(missing[0]) * bs if missing.size else end
 
     def _release(self, retrieval) -> None:
         """Hand the objects back; a server round trip, so off the engine's path."""
