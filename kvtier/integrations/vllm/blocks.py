@@ -43,10 +43,6 @@ from kvtier.integrations.vllm.device_copy import DeviceCopies
 # Payloads retrieved from the cache are read-only views; they are only ever read from here.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
-#: Above this many runs of consecutive block ids, one indexed copy beats a copy per run (host).
-MAX_RUN_COPIES = 4
-
-
 def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(position in block_ids, first block id, length) of each run of consecutive ids."""
     ids = np.asarray(block_ids, dtype=np.int64)
@@ -192,8 +188,11 @@ class PagedKV:
 
     # -- copies --------------------------------------------------------------------------------
     #
-    # On CPU the copies go through numpy on the calling thread, every layer of a run of blocks
-    # at once where one view covers them, else slot by slot: plain memcpy of each run. torch
+    # On CPU the copies go through numpy on the calling thread, one slice assignment per run of
+    # consecutive blocks (every layer at once where one view covers them, else slot by slot):
+    # memcpy of each run. Indexed numpy copies are no alternative: ``np.take`` copies a strided
+    # source whole first (the whole KV cache, for a cross-layer or K/V-split layout), and fancy
+    # indexing goes through a temporary. torch
     # would split them over its intra-op threads, which is no faster for a memory copy and can
     # be a hundred times slower when the cores are busy (the engine's own threads, the saver
     # thread). On an accelerator, torch copies in a few batched operations (device_copy.py): a
@@ -239,14 +238,10 @@ class PagedKV:
                     for dst, src in zip(self.slots, segments):
                         _wide(dst).index_copy_(0, index, _as(copies.to_device(torch.from_numpy(src[first : first + n])), dst))
             return
-        runs = _runs(block_ids)
         pairs, lead = self._host_pairs(segments)
-        for dst, src in pairs:
-            if len(runs) <= MAX_RUN_COPIES:
-                for pos, block, length in runs:
-                    dst[(*lead, slice(block, block + length))] = src[(*lead, slice(first + pos, first + pos + length))]
-            else:
-                dst[(*lead, np.asarray(block_ids))] = src[(*lead, slice(first, first + n))]
+        for pos, block, length in _runs(block_ids):
+            for dst, src in pairs:
+                dst[(*lead, slice(block, block + length))] = src[(*lead, slice(first + pos, first + pos + length))]
 
     def gather(self, block_ids: Sequence[int], dest: memoryview) -> None:
         """vLLM's blocks ``block_ids`` into ``dest``, a writable payload buffer of
@@ -261,14 +256,10 @@ class PagedKV:
                     for out, src in zip(segments, self.slots):
                         copies.to_host(_wide(src).index_select(0, index), torch.from_numpy(out))
             return
-        runs = _runs(block_ids)
         pairs, lead = self._host_pairs(segments)
-        for src, out in pairs:
-            if len(runs) <= MAX_RUN_COPIES:
-                for pos, block, length in runs:
-                    out[(*lead, slice(pos, pos + length))] = src[(*lead, slice(block, block + length))]
-            else:
-                np.take(src, np.asarray(block_ids), axis=len(lead), out=out)
+        for pos, block, length in _runs(block_ids):
+            for src, out in pairs:
+                out[(*lead, slice(pos, pos + length))] = src[(*lead, slice(block, block + length))]
 
     def synchronize(self) -> None:
         """Wait for the copies queued on the device (their event; never the engine's stream).
