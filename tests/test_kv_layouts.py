@@ -92,9 +92,7 @@ def _logical_blocks(views, ids) -> list[torch.Tensor]:
 
 def _physical_page(view: torch.Tensor, block: int) -> bytes:
     """One block's bytes in address order, found element by element (independent of BlockForm)."""
-    view = view.cpu() if view.device.type != "cpu" else view
-    storage = view.untyped_storage()
-    elements = torch.empty(0, dtype=view.dtype).set_(storage)
+    elements = torch.empty(0, dtype=view.dtype).set_(view.untyped_storage().cpu())  # all of the memory, as laid out
     address = torch.arange(elements.numel()).as_strided(view.shape, view.stride(), view.storage_offset())
     return elements[address.select(_block_dim(view), block).flatten().sort().values].view(torch.uint8).numpy().tobytes()
 
@@ -118,6 +116,8 @@ def test_pages_of_each_vllm_layout_round_trip_byte_for_byte(layout, host_copies,
     payload = _payload(source, len(src_ids))
     source.gather(src_ids, payload)
     source.synchronize()
+    if DEVICE.type == "cuda":  # the payload's memory was page-locked for the copy
+        assert source._device.pins.pinned_bytes >= len(payload)
     # the payload is each layer's pages in address order, block after block
     assert bytes(payload) == b"".join(_physical_page(v, b) for v in engine for b in src_ids)
     target.scatter(payload, len(src_ids), 0, dst_ids)
