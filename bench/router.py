@@ -41,12 +41,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 from transformers import AutoConfig
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.engine_process import kvtier_transfer_config
 from kvtier_testing.services import Service, connector_namespace, free_port, kvtier_server, service_env
-from kvtier_testing.services import stop_all, stream_completion, vllm_server
+from kvtier_testing.services import prompt_tokens_by_source, stop_all, stream_completion, vllm_server
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.tiny_model import build_tiny_model, sample_text, tiny_layout
 
@@ -133,18 +132,6 @@ def run(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> tupl
 
 
 # -- the set-up -----------------------------------------------------------------------------------
-
-
-def prompt_tokens_by_source(url: str) -> dict[str, float]:
-    """vLLM's counters: prompt tokens computed, and cached by the source that supplied them."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == "vllm:prompt_tokens_cached_by_source_total":
-                out[sample.labels["source"]] = out.get(sample.labels["source"], 0) + sample.value
-            elif sample.name == "vllm:prompt_tokens_by_source_total" and sample.labels["source"] == "local_compute":
-                out["computed"] = out.get("computed", 0) + sample.value
-    return out
 
 
 def reset(instances: list[str], kvtier_http: str) -> None:

@@ -42,13 +42,13 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoConfig
 
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.engine_process import kvtier_transfer_config
 from kvtier_testing.exactness import mismatch
-from kvtier_testing.services import MODEL_NAME, free_port, kvtier_server, service_env, stop_all, vllm_server
+from kvtier_testing.services import MODEL_NAME, free_port, kvtier_server, prompt_tokens_by_source, service_env
+from kvtier_testing.services import stop_all, vllm_server
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.tiny_model import build_tiny_model, tiny_layout
 
@@ -128,18 +128,6 @@ def bench_run(url: str, model: Path, args, concurrency: int) -> dict:
         errors = [e for e in result.get("errors", []) if e]
         raise RuntimeError(f"{url}: {result['failed']} requests failed, e.g. {errors[:1]}")
     return result
-
-
-def prompt_tokens_by_source(url: str) -> dict[str, float]:
-    """vLLM's counters: prompt tokens computed, and cached by the source that supplied them."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == "vllm:prompt_tokens_cached_by_source_total":
-                out[sample.labels["source"]] = out.get(sample.labels["source"], 0) + sample.value
-            elif sample.name == "vllm:prompt_tokens_by_source_total" and sample.labels["source"] == "local_compute":
-                out["computed"] = out.get("computed", 0) + sample.value
-    return out
 
 
 def _delta(after: dict, before: dict) -> dict[str, int]:

@@ -158,6 +158,22 @@ def stream_completion(url: str, prompt: str | list[int], max_tokens: int) -> dic
     return {"times": times, "text": "".join(text), "usage": usage}
 
 
+def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    """A vLLM server's counters: prompt tokens computed, and cached by the source that supplied
+    them (device = its own cache; host / disk = loaded from kvtier's memory / disk tier)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "vllm:prompt_tokens_cached_by_source_total":
+                out[sample.labels["source"]] = out.get(sample.labels["source"], 0) + sample.value
+            elif sample.name == "vllm:prompt_tokens_by_source_total" and sample.labels["source"] == "local_compute":
+                out["computed"] = out.get("computed", 0) + sample.value
+    return out
+
+
 def serve_in_thread(app) -> tuple[object, threading.Thread, str]:
     """An ASGI app on a free loopback port in a daemon thread, once it accepts connections:
     (the uvicorn server, its thread, its URL). Stop with ``server.should_exit = True``."""
