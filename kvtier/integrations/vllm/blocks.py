@@ -245,10 +245,11 @@ class PagedKV:
 
     def gather(self, block_ids: Sequence[int], dest: memoryview) -> None:
         """vLLM's blocks ``block_ids`` into ``dest``, a writable payload buffer of
-        ``len(block_ids)`` blocks."""
+        ``len(block_ids)`` blocks. Called from the engine's thread: on CUDA the engine's later
+        kernels wait (on the device) for the copy, and ``dest`` is complete once ``fence()`` is."""
         segments = self._segments(dest, len(block_ids))
         if self._device is not None:
-            with self._device.copying(dest) as copies:
+            with self._device.copying(dest, engine_waits=True) as copies:
                 index = copies.index(block_ids)
                 if self.pages is not None:
                     copies.to_host(_wide(self.pages).index_select(1, index), torch.from_numpy(segments))
@@ -260,6 +261,11 @@ class PagedKV:
         for pos, block, length in _runs(block_ids):
             for src, out in pairs:
                 out[(*lead, slice(pos, pos + length))] = src[(*lead, slice(block, block + length))]
+
+    def fence(self):
+        """What another thread waits on (``.synchronize()``) for the copies queued so far to
+        end: their CUDA event, or None where copies end when they return."""
+        return self._device.done if self._device is not None else None
 
     def synchronize(self) -> None:
         """Wait for the copies queued on the device (their event; never the engine's stream).

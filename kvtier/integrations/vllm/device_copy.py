@@ -140,11 +140,14 @@ class DeviceCopies:
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
             self.engine_stream = torch.cuda.current_stream(device)  # built on the engine's thread
-        self._done = None  # the event recorded after the last copies queued
+        self.done = None  # the event recorded after the last copies queued (None: all done)
 
     @contextmanager
-    def copying(self, host) -> Iterator["DeviceCopies"]:
-        """Queue copies to or from ``host`` (a buffer) inside the block."""
+    def copying(self, host, engine_waits: bool = False) -> Iterator["DeviceCopies"]:
+        """Queue copies to or from ``host`` (a buffer) inside the block. With ``engine_waits``
+        (copies out of vLLM's blocks, queued from the engine's thread), the engine's later
+        kernels wait on the device for them: a block freed after this step is not rewritten
+        before it was read."""
         if not self.cuda:
             yield self
             return
@@ -154,7 +157,9 @@ class DeviceCopies:
             yield self
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._done = done
+        if engine_waits:
+            self.engine_stream.wait_event(done)
+        self.done = done
 
     def index(self, block_ids) -> torch.Tensor:
         return torch.as_tensor(np.asarray(block_ids, dtype=np.int64)).to(self.device, non_blocking=self.cuda)
@@ -174,6 +179,6 @@ class DeviceCopies:
 
     def wait(self) -> None:
         """Wait for the copies queued so far (not for the engine's work)."""
-        if self._done is not None:
-            self._done.synchronize()
+        if self.done is not None:
+            self.done.synchronize()
 

@@ -2,7 +2,8 @@
 off the engine's path.
 
     wait_for_save (engine thread)   the pages of the chunks to save are copied into a staging ring
-                                    in this process: a memory copy, no network, no waiting
+                                    in this process: a memory copy, no network, no waiting (on
+                                    CUDA the copy is queued; the saver thread waits for its event)
     saver thread                    store the chunks the scheduler named (keys, no hashing here):
                                     reserve their slots in the cache (the server's shared memory
                                     or the embedded L1), copy from the ring, seal, commit
@@ -81,6 +82,7 @@ class _Staged:
     job: SaveJob
     spans: list[list[ChunkSpan]]  # per group, the objects staged
     offsets: dict[tuple[int, bytes], tuple[int, int]]  # (group, key) -> (ring offset, bytes)
+    fences: list  # device copies into the ring still under way (CUDA events; see PagedKV.fence)
 
 
 class Saver:
@@ -117,10 +119,9 @@ class Saver:
                 worker.pages[g].gather(ids, self.ring.view(offset, size))
                 offsets[(g, span.key)] = (offset, size)
                 offset += size
-        for group_pages in worker.pages:
-            group_pages.synchronize()
+        fences = [f for f in (group_pages.fence() for group_pages in worker.pages) if f is not None]
         with self._cond:
-            self._queue.append(_Staged(job, [[span for span, _ in objects] for objects in staged], offsets))
+            self._queue.append(_Staged(job, [[span for span, _ in objects] for objects in staged], offsets, fences))
             self._cond.notify_all()
         worker.stats.stage_s += time.perf_counter() - started
 
@@ -181,6 +182,8 @@ class Saver:
     def _store(self, staged: _Staged) -> None:
         started = time.perf_counter()
         worker, job = self.worker, staged.job
+        for fence in staged.fences:  # the pages are in the ring (waited here, not on the engine's thread)
+            fence.synchronize()
         spaces = worker.namespaces.get(worker.tp_rank, job.scope)
         written, stored = 0, 0
         for g, spans in enumerate(staged.spans):
