@@ -119,7 +119,8 @@ class PagedKV:
     order and each of the layer's tensors (one for attention; conv and SSM state for Mamba/GDN),
     a ``[block, *parts, run]`` uint8 view (``BlockForm``). A payload of ``n`` blocks is the slots'
     rows one after the other: ``[slot][block][row]``, contiguous (for attention,
-    ``[layer, block, page]``)."""
+    ``[layer, block, page]``). Copies go through numpy on CPU tensors and through torch on an
+    accelerator; ``host_copies`` overrides that choice (tests run the torch path on CPU)."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], group: GroupLayout, num_blocks: int,
                  host_copies: bool | None = None) -> None:
