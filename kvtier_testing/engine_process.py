@@ -249,8 +249,9 @@ def _drain(llm, timeout: float) -> dict:
     _, worker = _connectors(llm)
     deadline = time.monotonic() + timeout
     saver = getattr(getattr(worker, "connector_worker", None), "_saver", None)
+    _settle(llm, max(1.0, deadline - time.monotonic()))  # a finished request's history job is staged
     if saver is not None:
-        saver.wait_idle(timeout)
+        saver.wait_idle(max(0.0, deadline - time.monotonic()))
     _settle(llm, max(1.0, deadline - time.monotonic()))
     return _stats(llm)
 

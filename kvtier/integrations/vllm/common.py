@@ -319,6 +319,9 @@ class SaveJob:
     block_ids: list[list[int]]
     job_id: int = 0
     records: list[dict[tuple[int, int], bytes]] = field(default_factory=list)
+    #: the request has finished and vLLM holds its blocks for this job (history, scheduler.py):
+    #: each worker reports the request as sent once the job's pages are copied out (or dropped)
+    release: bool = False
 
 
 @dataclass

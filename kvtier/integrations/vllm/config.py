@@ -52,6 +52,11 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     prefill_wait_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 5.0
     """Longest a request prefilled by another instance (``pd-proxy`` says so) waits for that
     instance's KV to reach the cache; then it is computed here (counted)."""
+    save_history: Literal["chat", "always", "never"] = "chat"
+    """Store the KV of a finished request's generated tokens too (whole blocks), so that the next
+    turn of a conversation (history + answer + new question) hits through the answer: ``chat``
+    for requests of vLLM's chat API (their ids start with ``chatcmpl-``), ``always``, ``never``.
+    vLLM keeps the request's blocks until the worker has copied them out (one step)."""
     save_buffer_gb: Annotated[float, msgspec.Meta(gt=0, le=1024)] = 0.5
     """Staging memory per worker for KV on its way to the cache (preallocated); a save that does
     not fit is dropped (counted), never waited for."""

@@ -138,7 +138,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.connector_worker is None:
             return KVConnectorTransferResults()
         finished, failed = self.connector_worker.take_finished_loads()
-        return KVConnectorTransferResults(finished_recving=finished | failed, failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=self.connector_worker.take_released(),
+                                          finished_recving=finished | failed, failed_recving=failed)
 
     def build_connector_worker_meta(self):
         return self.connector_worker.build_connector_worker_meta() if self.connector_worker is not None else None
@@ -166,13 +167,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # saves copy KV out in the step that computed it: the blocks are free now
-        return False, self.connector_scheduler.request_finished(request)
+        return self.connector_scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return False, self.connector_scheduler.request_finished(request)
+        # True: vLLM keeps the blocks until a worker has copied the answer's KV out (history)
+        return self.connector_scheduler.request_finished(request, block_ids)
 
     # -- figures for vLLM's /metrics and stats log (metrics.py) ----------------------------------
 

@@ -56,6 +56,8 @@ FIGURES = (
     Figure("lookups", "lookups", "Prompt lookups kvtier answered"),
     Figure("lookup_seconds", "lookup_s", "Time the scheduler spent on kvtier lookups"),
     Figure("deferred_lookups", "deferred", "Lookups answered 'not yet': the prompt's next chunk was being saved"),
+    Figure("history_tokens", "history_tokens",
+           "Tokens of finished requests' answers (and prompt tails) planned for storing: the next turn's history"),
     Figure("prefill_waits", "prefill_waits", "Requests prefilled by another instance whose KV arrived"),
     Figure("prefill_wait_timeouts", "prefill_wait_timeouts",
            "Requests prefilled by another instance whose KV did not arrive in time (computed here)"),

@@ -6,7 +6,8 @@ It never touches KV; it decides what each step's workers load and save.
     build_connector_meta         the step's load jobs, plus a save job for each request whose
                                  computed tokens now complete chunks not stored yet
     update_connector_output      which save jobs the workers have finished
-    request_finished             forget the request
+    request_finished             a save job for the KV of its generated tokens (history, below);
+                                 forget the request
 
 The prompt's chunks are hashed once per request (``keys.prefix_keys``, per TP rank) and the keys
 kept for its lookup, its loads and its saves. The lookup walks the prompt's chunks (the last one
@@ -22,6 +23,13 @@ asks again next step, in two cases:
 - the request was prefilled by another instance (``kv_transfer_params`` from ``pd-proxy`` carry
   ``kvtier_prefilled_tokens``) and its KV has not reached the cache yet: it waits up to
   ``prefill_wait_s``, then what is missing is computed here (``prefill_wait_timeouts``).
+
+History (``save_history``): when a request finishes, the whole blocks of its prompt and answer
+that are computed (all but the last generated token) and not stored yet are saved, so the next turn
+of a conversation, whose prompt is this history plus a new question, hits through the answer.
+vLLM keeps the request's blocks until the job's pages are copied out (``request_finished``
+answers True; the workers report the request in ``finished_sending`` the step after). Full
+attention models only: other groups free blocks as a request advances.
 
 Roles: a ``kv_producer`` never looks up, a ``kv_consumer`` never saves. A request that arrives
 with ``kv_transfer_params: {"kvtier_prefill": true}`` finishes with ``kvtier_prefilled_tokens``,
@@ -114,6 +122,7 @@ class SchedulerStats:
     prefill_wait_timeouts: int = 0  # ... whose KV did not arrive in time: computed here
     prefill_wait_s: float = 0.0  # total time those requests waited
     save_jobs: int = 0
+    history_tokens: int = 0  # generated tokens (and prompt tail) planned for storing at a request's end
     lookup_s: float = 0.0
     hits_by_tier: Counter = field(default_factory=Counter)  # loaded tokens by the tier that held them
 
@@ -143,6 +152,7 @@ class KvtierScheduler:
         self._keys: dict[ReqId, list[list[PrefixKeys]]] = {}  # per request, TP rank and group: hashed once
         self._waiting: dict[ReqId, _Waiting] = {}
         self._loads: list[LoadJob] = []
+        self._history: list[SaveJob] = []  # history jobs of finished requests, for the next step
         self._next_job = 1
         self._in_flight: dict[int, _InFlight] = {}
         self._in_flight_keys: Counter = Counter()
@@ -351,8 +361,8 @@ class KvtierScheduler:
         self.stats.hits_by_tier.update(tokens_by_tier(known.tiers, self.chunk_size() or self.block_size, start, end))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierConnectorMetadata:
-        meta = KvtierConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history)
+        self._loads, self._history = [], []
         if not self.config.save or not self._requests:
             return meta
         chunk = self.chunk_size()
@@ -396,13 +406,17 @@ class KvtierScheduler:
             for group, group_spans in zip(self.engine.groups, spans[0])
         ]
         job = SaveJob(req_id, tracked.scope, spans, [list(blocks[g.index][: pages(computed, self.block_size)]) for g in self.engine.groups], self._next_job, records)
+        meta.saves.append(self._start_job(job, tracked, end))
+
+    def _start_job(self, job: SaveJob, tracked: _Tracked, end: int) -> SaveJob:
+        job.job_id = self._next_job
         self._next_job += 1
-        self._in_flight[job.job_id] = _InFlight([s.key for s in spans[0][0]], time.monotonic() + self._in_flight_s)
+        self._in_flight[job.job_id] = _InFlight([s.key for s in job.spans[0][0]], time.monotonic() + self._in_flight_s)
         self._in_flight_keys.update(self._in_flight[job.job_id].keys)
         tracked.saved_upto = max(tracked.saved_upto, end)
         tracked.save_jobs += 1
         self.stats.save_jobs += 1
-        meta.saves.append(job)
+        return job
 
     # -- completions -----------------------------------------------------------------------------
 
@@ -414,15 +428,54 @@ class KvtierScheduler:
             if self._job_reports[job_id] >= self.engine.tp_size:
                 self._forget_job(job_id)
 
-    def request_finished(self, request: "Request") -> dict[str, Any] | None:
-        """Forget the request; for a prefill asked by the proxy, the kv_transfer_params to answer."""
+    def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Plan the save of the request's history, if any (True: vLLM must keep its blocks until
+        the workers report it sent), and forget the request; for a prefill asked by the proxy,
+        the kv_transfer_params to answer."""
         self._lookups.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)
         tracked = self._requests.pop(request.request_id, None)
+        held = tracked is not None and self._plan_history(request, tracked, block_ids)
         if not (request.kv_transfer_params or {}).get(PREFILL_PARAM):
-            return None
-        return {PREFILLED_PARAM: tracked.saved_upto if tracked is not None and self.config.save else 0}
+            return held, None
+        return held, {PREFILLED_PARAM: tracked.saved_upto if tracked is not None and self.config.save else 0}
+
+    def _saves_history(self, request: "Request") -> bool:
+        mode = self.config.save_history
+        if not self.config.save or mode == "never" or any(g.retention != "all" for g in self.engine.groups):
+            return False
+        return mode == "always" or request.request_id.startswith("chatcmpl-")
+
+    def _plan_history(self, request: "Request", tracked: _Tracked, block_ids: tuple[list[int], ...]) -> bool:
+        """A save job for the whole blocks of prompt and answer whose KV is computed (all but the
+        last token; with asynchronous scheduling, not the tokens still in flight) and not stored."""
+        chunk = self.chunk_size()
+        if chunk is None or not self._saves_history(request):
+            return False
+        computed = min(request.num_computed_tokens - request.num_in_flight_tokens, request.num_tokens - 1)
+        end = computed // self.block_size * self.block_size
+        if end <= max(tracked.saved_upto, request.num_prompt_tokens) or any(len(b) < pages(end, self.block_size) for b in block_ids):
+            return False
+        tokens = request.all_token_ids[:end]
+        array = np.asarray(tokens, dtype=np.uint32)  # the prompt's chunks are hashed again: a rare job
+        keys = [[prefix_keys(ns, array, chunk, self.block_size) for ns in self.namespaces.get(rank, tracked.scope)]
+                for rank in range(self.engine.tp_size)]
+        spans = [
+            [group_save_spans(group, group_keys, tracked.saved_upto, end, end) if rank == 0 or not group.same_on_every_rank else []
+             for group, group_keys in zip(self.engine.groups, rank_keys)]
+            for rank, rank_keys in enumerate(keys)
+        ]
+        if not any(spans[0]):
+            return False
+        records = [block_records(request, tokens, group_spans, self.block_size, self.served_model, group.index)
+                   if group.kind in PUBLISHED_KINDS else {} for group, group_spans in zip(self.engine.groups, spans[0])]
+        job = SaveJob(request.request_id, tracked.scope, spans,
+                      [list(block_ids[g.index][: pages(end, self.block_size)]) for g in self.engine.groups],
+                      records=records, release=True)
+        self.stats.history_tokens += end - max(tracked.saved_upto, request.num_prompt_tokens)
+        self._history.append(self._start_job(job, tracked, end))
+        return True
 
     def figures(self) -> dict:
         return totals(self.stats.as_dict())

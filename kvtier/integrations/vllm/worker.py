@@ -80,6 +80,7 @@ class KvtierWorker:
         self._releaser = ThreadPoolExecutor(1, "kvtier-release")
         self._invalid_blocks: set[int] = set()
         self._finished_requests: set[str] = set()
+        self._released: set[str] = set()
         self._failed_requests: set[str] = set()
         self._saver: Saver | None = None
         # its own key store, so a load never queues behind a save on one server socket
@@ -202,9 +203,16 @@ class KvtierWorker:
     # -- saves ---------------------------------------------------------------------------------
 
     def wait_for_save(self, metadata: KvtierConnectorMetadata) -> None:
-        if self._saver is not None:
-            for job in metadata.saves:
-                self._saver.stage(job)
+        for job in metadata.saves:
+            if self._saver is not None:
+                self._saver.stage(job)  # the pages are copied out now, stored or dropped
+            if job.release:
+                self._released.add(job.req_id)
+
+    def take_released(self) -> set[str]:
+        """Finished requests whose blocks vLLM may free now: their history is copied out."""
+        released, self._released = self._released, set()
+        return released
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
         if self._saver is None:
