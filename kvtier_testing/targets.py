@@ -25,6 +25,7 @@ def _close(value, bar) -> bool:
 
 _OPS = {">=": lambda value, bar: value >= bar or _close(value, bar),
         "<=": lambda value, bar: value <= bar or _close(value, bar),
+        "<": lambda value, bar: value < bar and not _close(value, bar),
         "==": lambda value, bar: value == bar}
 
 

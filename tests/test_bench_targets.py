@@ -23,6 +23,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
     (Target(">=", -0.02), 0.98 - 1.0, True),  # -0.020000000000000018: on the bar, up to float rounding
     (Target(">=", -0.02), 0.975 - 1.0, False),
     (Target("<=", 200), 201, False),
+    (Target("<", 1), 0.99, True),
+    (Target("<", 1), 1.0, False),  # strictly below: on the bar misses
     (Target("==", 0), 0, True),
     (Target("==", 0), 3, False),
     (Target("==", True), False, False),
