@@ -21,7 +21,8 @@ Policies: LRU, FIFO, LFU, COST (cost- and prefix-aware), each as it is (write-th
 and with admission (``+adm``: W-TinyLFU on both tiers, adaptive write admission on the disk); LRU
 also with each part alone (``+tinylfu``; ``+2nd``: disk writes on second sighting; ``+adaptive``);
 ``default``: the config's defaults, which these runs chose (COST with TinyLFU in L1; LRU with
-adaptive writes on the disk).
+adaptive writes on the disk). ``--windows 0.05,0.2`` replays the default with other L1 admission
+windows too (``default w5%``...), outside the targets.
 
 Modelled TTFT per request: the missed chunks' prefill (a chunk at position p costs
 (1 + p/8192) times one at the start, eviction.POSITION_SCALE) plus the hit bytes at each tier's
@@ -82,10 +83,13 @@ class Policy:
     tinylfu: bool | None = None
     writes: str | None = None  # the disk's write admission
     disk_eviction: str | None = None  # the disk's eviction policy if not ``eviction``
+    window: float | None = None  # L1's admission window
 
     def store_config(self, disk_path: Path) -> StoreConfig:
         both = {} if self.tinylfu is None else {"admission": "tinylfu" if self.tinylfu else "none"}
         l1 = {"eviction_policy": self.eviction} if self.eviction else {}
+        if self.window is not None:
+            l1["admission_window"] = self.window
         disk = {"eviction_policy": self.disk_eviction or self.eviction} if self.eviction else {}
         if self.writes is not None:
             disk["write_admission"] = self.writes
@@ -258,11 +262,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-gibps", type=float, default=2.0, help="modelled disk read bandwidth")
     parser.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
                         help="modelled prefill speed at the start of a prompt")
+    parser.add_argument("--windows", default="",
+                        help="comma-separated L1 admission windows (shares) to replay the default with too,"
+                             " e.g. 0.05,0.2 (rows 'default w5%%'...; not judged by the targets)")
     parser.add_argument("--workdir", default="/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir(),
                         help="where the disk tier's files go (tmpfs: the policies, not the disk, are measured)")
     add_check_flag(parser)
     args = parser.parse_args(argv)
     model = Model(args.l1_gibps, args.disk_gibps, args.prefill_tokens_per_s)
+    try:
+        windows = [float(w) for w in args.windows.split(",") if w]
+    except ValueError:
+        parser.error(f"--windows: shares such as 0.05,0.2, got {args.windows!r}")
+    if any(not 0 < w < 1 for w in windows):
+        parser.error("--windows: each share in (0, 1)")
+    policies = {**POLICIES, **{f"default w{w:.0%}": Policy(None, window=w) for w in windows}}
     scale = 1 if args.quick else 3
     workdir = Path(tempfile.mkdtemp(prefix="bench-policies-", dir=args.workdir))
 
@@ -271,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for workload, make in WORKLOADS.items():
             prompts = list(make(scale, np.random.default_rng(0)))
-            results[workload] = {name: replay(prompts, policy, model, workdir) for name, policy in POLICIES.items()}
+            results[workload] = {name: replay(prompts, policy, model, workdir) for name, policy in policies.items()}
             print(f"\n{workload} ({len(prompts)} prompts, {sum(map(len, prompts)):,} tokens)")
             print(f"  {'policy':<12} {'hit rate':>9} {'from disk':>10} {'written GiB':>12} {'TTFT ms':>9} {'p90 ms':>8}")
             for name, r in results[workload].items():

@@ -32,7 +32,7 @@ sends requests it built before the run, so it cannot make a turn of the answer t
 here a small driver sends each turn with vLLM's client's own chat request function (streamed,
 TTFT measured by it), ``--concurrency`` users at a time, users' turns in order. Three vLLM servers,
 every one's KV cache capped below the conversations (``--cache-conversations``), so vLLM's own
-cache has lost a conversation by its next turn:
+cache has mostly lost a conversation by its next turn:
 
     alone    vLLM alone
     history  vLLM + kvtier, ``kvtier.save_history: chat`` (the default): answers are stored too
@@ -51,8 +51,9 @@ p50; from the second turn on
 and ``outputs_identical``: every answer of both kvtier scenarios equals vLLM alone's.
 
 Run it alone: ``flock /tmp/kvtier-heavy.lock python bench/serving.py --quick [--workload multi-turn]``
-(each under 5 minutes). Prints the load average with every run, tables and each target with its
-verdict, and as the last line one JSON object; ``--check`` exits 1 when a target is missed.
+(prefix-repetition under 5 minutes; multi-turn took 6.5 minutes at load average 12, more than half
+of it starting the servers). Prints the load average with every run, tables and each target with
+its verdict, and as the last line one JSON object; ``--check`` exits 1 when a target is missed.
 """
 
 from __future__ import annotations
