@@ -2,7 +2,12 @@
 
     shm store:    fill an arena slot (a copy of the payload), seal it, commit   vs memcpy
     shm retrieve: lease, copy the payload out of the arena, release            vs memcpy
-    frames:       the same operations with the bytes sent over the socket (other hosts)
+    frames:       the same operations with the bytes sent over the socket (other hosts); the
+                  retrieve against a bare ZeroMQ transfer of the same frames (a ROUTER in another
+                  process answering a REQ with them; received without a copy, then copied out as
+                  ours are), taken in turn
+    ping:         p50 of a server ping against a bare ZeroMQ round trip of the same socket pattern
+                  (REQ to a ROUTER in another process, answered in Python), taken in turn
     lookup:       p50/p99 latency of a lookup for an 8k-token prompt (keys computed by the client)
     api lookup:   p50/p99 of ``POST /api/lookup`` for the same prompt as a router sends it (token
                   ids as JSON; the server computes the keys, block-boundary partials included),
@@ -18,6 +23,7 @@ A real `kvtier server` process serves; this process is the engine. Prints a tabl
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import tempfile
 import time
@@ -26,13 +32,15 @@ from pathlib import Path
 import httpx
 import msgspec
 import numpy as np
+import zmq
 
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
+from kvtier.objects import object_size
 from kvtier.tiers.arena import allocate_buffer
-from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.kvtier_processes import ServerProcess, free_port
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import GIB, best_of_interleaved
@@ -43,11 +51,53 @@ CHUNK = 256
 
 
 
+def bare_zmq_server(port: int, frame_bytes: int, frames: int) -> None:
+    """The reference: a ROUTER that answers b"ping" with b"pong" and anything else with
+    ``frames`` frames of ``frame_bytes`` from one preallocated, touched buffer (no copy)."""
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    buffer = memoryview(allocate_buffer(frame_bytes * frames))
+    while True:
+        peer, delimiter, request = sock.recv_multipart(copy=False)
+        if request.bytes == b"ping":
+            sock.send_multipart([peer, delimiter, b"pong"], copy=False)
+        else:
+            sock.send_multipart([peer, delimiter, b"",
+                                 *(buffer[i * frame_bytes : (i + 1) * frame_bytes] for i in range(frames))], copy=False)
+
+
+def measure_pings(client: KvtierClient, bare: zmq.Socket, count: int) -> dict[str, float]:
+    """p50 seconds of a server ping and of a bare ZeroMQ round trip, taken in turn."""
+    times: dict[str, list[float]] = {"kvtier": [], "zmq": []}
+
+    def bare_ping():
+        bare.send(b"ping")
+        bare.recv()
+    runs = {"kvtier": client.ping, "zmq": bare_ping}
+    for _ in range(count):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def zmq_retrieve(bare: zmq.Socket, dest: np.ndarray):
+    """One bare transfer of the reference's frames, each copied out into ``dest`` as a
+    retrieve's payloads are."""
+    def run():
+        bare.send(b"frames")
+        for frame in bare.recv_multipart(copy=False)[1:]:
+            np.copyto(dest, np.frombuffer(frame.buffer, dtype=np.uint8)[: dest.nbytes])
+    return run
+
+
 def measure_path(client: TokenCache, chunks: int, repeats: int, payload: np.ndarray, dest: np.ndarray,
-                 first_token: int) -> dict[str, float]:
+                 first_token: int, reference=None) -> dict[str, float]:
     """GiB/s of storing and retrieving ``chunks`` chunks as one prompt (a fresh prompt for every
-    store run), each taken in turn with the memcpy of the same bytes it is compared with, so that
-    a neighbour's burst falls on both alike."""
+    store run), each taken in turn with the memcpy of the same bytes it is compared with (and the
+    retrieve with ``reference``, a transfer of the same bytes, if given), so that a neighbour's
+    burst falls on both alike."""
     size = payload.nbytes
     plain = np.frombuffer(allocate_buffer(size * chunks), dtype=np.uint8)
 
@@ -78,7 +128,8 @@ def measure_path(client: TokenCache, chunks: int, repeats: int, payload: np.ndar
                 np.copyto(dest, np.frombuffer(chunk.payload, dtype=np.uint8))
 
     seconds = best_of_interleaved(repeats, store=store, memcpy_in=memcpy_in)
-    seconds.update(best_of_interleaved(repeats, retrieve=retrieve, memcpy_out=memcpy_out))
+    seconds.update(best_of_interleaved(repeats, retrieve=retrieve, memcpy_out=memcpy_out,
+                                       **({"zmq_retrieve": reference} if reference else {})))
     return {name: chunks * size / s / GIB for name, s in seconds.items()}
 
 
@@ -94,6 +145,8 @@ TARGETS = {
     "shm_store_vs_memcpy": Target(">=", 0.8, "one copy, a checksum, a round trip"),
     "shm_retrieve_vs_memcpy": Target(">=", 0.8, "one copy, a round trip"),
     "lookup_p99_ms": Target("<=", 5.0, "one round trip; 0.7 ms measured"),
+    "ping_vs_zmq": Target("<=", 1.3, "the front thread answers a ping itself: no hop to a worker"),
+    "frames_retrieve_vs_zmq": Target(">=", 0.8, "frames sent and received without a copy"),
     "api_lookup_p99_ms": Target("<=", 2.0, "a router asks before every request"),
 }
 
@@ -131,6 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     dest = np.frombuffer(allocate_buffer(size), dtype=np.uint8)
 
     l1_gb = 2 * (repeats + 2) * chunks * size / GIB + 0.5
+    bare_port = free_port()
+    reference = multiprocessing.get_context("spawn").Process(
+        target=bare_zmq_server, args=(bare_port, object_size(size), chunks), daemon=True)
+    reference.start()
+    context = zmq.Context()
+    bare = context.socket(zmq.REQ)
+    bare.setsockopt(zmq.LINGER, 0)
+    bare.connect(f"tcp://127.0.0.1:{bare_port}")
+    bare.send(b"ping")  # waits for the reference to be up
+    bare.recv()
     with tempfile.TemporaryDirectory() as workdir:
         server = ServerProcess(Path(workdir), "--eviction-trigger-watermark", "1.0", l1_gb=l1_gb,
                                chunk_size=CHUNK).start(timeout=120)
@@ -139,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             frames = KvtierClient(server.url, timeout_s=30, use_shared_memory=False)
             assert shm.ping() and shm._arena is not None, "shared memory not available"
             shm_result = measure_path(TokenCache(shm), chunks, repeats, payload, dest, 0)
-            frames_result = measure_path(TokenCache(frames), chunks, repeats, payload, dest, 10_000_000)
+            frames_result = measure_path(TokenCache(frames), chunks, repeats, payload, dest, 10_000_000,
+                                         reference=zmq_retrieve(bare, dest))
+            pings = measure_pings(shm, bare, 2000 if args.quick else 10000)
 
             prompt = np.arange(50_000_000, 50_000_000 + 8192)
             cache = TokenCache(shm)
@@ -154,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             frames.close()
         finally:
             server.stop()
+            bare.close()
+            context.term()
+            reference.kill()
 
     p50, p99 = (float(np.percentile(latencies, q)) * 1000 for q in (50, 99))
     api_p50, api_p99_all = (float(np.percentile(np.concatenate(api_rounds), q)) * 1000 for q in (50, 99))
@@ -166,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'operation (32 MiB objects)':<28} {'kvtier GiB/s':>13} {'memcpy GiB/s':>13} {'ratio':>6}")
     for name, ours, ref in rows:
         print(f"{name:<28} {ours:>13.2f} {ref:>13.2f} {ours / ref:>6.2f}")
+    print(f"{'frames retrieve, bare zmq':<28} {frames_result['zmq_retrieve']:>13.2f}")
+    print(f"{'ping p50':<28} kvtier {pings['kvtier'] * 1e3:.3f} ms   bare zmq {pings['zmq'] * 1e3:.3f} ms")
     print(f"{'lookup, 8192-token prompt':<28} p50 {p50:.3f} ms   p99 {p99:.3f} ms")
     print(f"{'POST /api/lookup, 8192':<28} p50 {api_p50:.3f} ms   p99 {api_p99:.3f} ms (quietest round;"
           f" {api_p99_all:.3f} ms over all)")
@@ -176,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         "shm_retrieve_vs_memcpy": round(shm_result["retrieve"] / shm_result["memcpy_out"], 3),
         "frames_store_gib_s": round(frames_result["store"], 3),
         "frames_retrieve_gib_s": round(frames_result["retrieve"], 3),
+        "zmq_retrieve_gib_s": round(frames_result["zmq_retrieve"], 3),
+        "frames_retrieve_vs_zmq": round(frames_result["retrieve"] / frames_result["zmq_retrieve"], 3),
+        "ping_ms": round(pings["kvtier"] * 1e3, 4),
+        "zmq_ping_ms": round(pings["zmq"] * 1e3, 4),
+        "ping_vs_zmq": round(pings["kvtier"] / pings["zmq"], 3),
         "lookup_p50_ms": round(p50, 3),
         "lookup_p99_ms": round(p99, 3),
         "api_lookup_p50_ms": round(api_p50, 3),

@@ -7,7 +7,10 @@ than ``timeout_s``. After a failure it waits ``backoff`` before asking again
 (calls meanwhile are instant misses), then reconnects by itself and says hello again.
 
 KV bytes go through the server's shared-memory arena when this process can map it (same host,
-same user) and as message frames otherwise. A server other hosts can reach requires CurveZMQ
+same user) and as message frames otherwise. Through shared memory a store and a load are one
+round trip each in steady state: slots are reserved ahead into a pool here (refilled by each
+commit), so a store is fill + ``Commit``; a release is sent with the next request (or alone after
+``RELEASE_DELAY_S`` when none comes), so a load is one ``Retrieve``. A server other hosts can reach requires CurveZMQ
 (wire/curve.py): give the client its key pair and the server's public key. A client without the
 right key is refused in the handshake, which looks like a server that never answers: misses.
 """
@@ -19,9 +22,11 @@ import logging
 import mmap
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+import msgspec
 import zmq
 
 from kvtier.errors import ConfigError
@@ -35,6 +40,8 @@ from kvtier.wire.shm import ARENA_OFFSET, SharedArena
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 2.0
+#: How long a release waits for a request to carry it before it is sent alone.
+RELEASE_DELAY_S = 0.05
 
 
 class Unavailable(Exception):
@@ -52,6 +59,24 @@ class ClientStats:
     skipped_while_down: int = 0
     dropped_stores: int = 0  # commits that did not reach the server
     reconnects: int = 0
+    reserved_ahead: int = 0  # slots taken from the pool (no round trip for their reservation)
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A slot reserved ahead: unnamed on the server until a commit names its object."""
+
+    slot: int
+    offset: int
+    size: int
+    use_by: float  # monotonic time past which it is not lent out (half the server's lease timeout)
+
+
+def _remaining_ms(deadline: float) -> int:
+    remaining = int((deadline - time.monotonic()) * 1000)
+    if remaining <= 0:
+        raise TimeoutError
+    return remaining
 
 
 class KvtierClient:
@@ -63,9 +88,12 @@ class KvtierClient:
         admin_token: str = "",
         curve_secret_key: str | None = None,
         curve_server_key: str | None = None,
+        reserve_ahead_bytes: int = 256 << 20,
     ) -> None:
         """``curve_secret_key``: this client's key pair file (NAME.key_secret, mode 0600);
-        ``curve_server_key``: the server's public key file (NAME.key). Both or neither."""
+        ``curve_server_key``: the server's public key file (NAME.key). Both or neither.
+        ``reserve_ahead_bytes``: the most arena memory held in slots reserved ahead (0: none; a
+        store then reserves its slots with a round trip of its own)."""
         if not url.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"server url must start with tcp:// or ipc://, got {url!r}")
         if not timeout_s > 0:
@@ -86,6 +114,14 @@ class KvtierClient:
         self._backoff = 0.1
         self._scratch = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
         self._scratch_free = threading.Lock()  # held while a frames-mode write fills the scratch
+        self.reserve_ahead_bytes = reserve_ahead_bytes
+        self._lease_timeout_s = 0.0
+        self._pool: deque[_Ahead] = deque()  # slots reserved ahead, not lent out
+        self._lent: dict[int, _Ahead] = {}  # slots of the pool in reservations not committed yet
+        self._done: list[int] = []  # handles to give back with the next request
+        self._done_changed = threading.Condition(self._lock)
+        self._flusher: threading.Thread | None = None
+        self._closed = False
 
     # -- connection --------------------------------------------------------------------------
 
@@ -99,6 +135,8 @@ class KvtierClient:
         self._socket = sock
         hello = self._roundtrip(p.Hello(client=f"pid-{threading.get_native_id()}"), (), deadline)[0]
         self.chunk_size = hello.chunk_size
+        self._lease_timeout_s = hello.lease_timeout_s
+        self._forget_handles()
         if self._arena is not None:
             self._arena.close()
         self._arena = None
@@ -109,21 +147,29 @@ class KvtierClient:
                 self._arena_id = hello.shm_nonce[: p.ARENA_ID_SIZE]
         log.info("connected to %s (shared memory %s)", self.url, "on" if self._arena else "off")
 
+    def _forget_handles(self) -> None:
+        """A new hello: the handles held name a server we may not be talking to any more (they
+        expire there)."""
+        self._pool.clear()
+        self._lent.clear()
+        self._done.clear()
+
     def _drop_socket(self) -> None:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
 
     def _roundtrip(self, request, frames: Sequence, deadline: float) -> tuple[object, list]:
+        """Send and receive under socket timeouts (no poll calls: a round trip costs what a bare
+        ZeroMQ one does)."""
         sock = self._socket
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLOUT):
-            raise TimeoutError
-        sock.send_multipart([p.encode(request), *frames], copy=False)  # kept alive until sent
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-        if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
-            raise TimeoutError
-        parts = sock.recv_multipart(copy=False)
+        try:
+            sock.setsockopt(zmq.SNDTIMEO, _remaining_ms(deadline))
+            sock.send_multipart([p.encode(request), *frames], copy=False)  # kept alive until sent
+            sock.setsockopt(zmq.RCVTIMEO, _remaining_ms(deadline))
+            parts = sock.recv_multipart(copy=False)
+        except zmq.Again:
+            raise TimeoutError from None
         reply = p.decode_reply(parts[0].buffer)
         if isinstance(reply, p.Error):
             error = StaleArena if reply.code == "stale-arena" else Unavailable
@@ -137,7 +183,10 @@ class KvtierClient:
         with self._lock:
             with self._failing_open():
                 self._ensure_connected(deadline)
-                reply = self._roundtrip(request() if callable(request) else request, frames, deadline)
+                request = request() if callable(request) else request
+                if self._done:  # the handles we are done with ride along (lost with a failed call: they expire)
+                    request, self._done = msgspec.structs.replace(request, done=self._done), []
+                reply = self._roundtrip(request, frames, deadline)
             self._backoff = 0.1
             return reply
 
@@ -176,6 +225,17 @@ class KvtierClient:
         self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
 
     def close(self) -> None:
+        """Give back what is held (best effort: it expires on the server otherwise) and close."""
+        with self._lock:
+            self._closed = True
+            self._done_changed.notify_all()
+            handles = [slot.slot for slot in self._pool] + self._done
+            self._forget_handles()
+            if handles and self._socket is not None:
+                with contextlib.suppress(Unavailable):
+                    self._call(p.Release(done=handles), deadline=time.monotonic() + min(self.timeout_s, 0.5))
+        if self._flusher is not None:
+            self._flusher.join(timeout=1)
         with self._lock:
             self._drop_socket()
             if self._arena is not None:
@@ -238,11 +298,36 @@ class KvtierClient:
         return leases
 
     def release(self, leases: Sequence[Lease]) -> None:
-        for lease in {lease.lease for lease in leases if lease.pinned and lease.lease}:
-            try:
-                self._call(p.Release(lease=lease))
-            except Unavailable:
-                pass  # the server lets the lease expire
+        """No round trip: the next request carries the release, or the flusher thread sends it
+        after ``RELEASE_DELAY_S``."""
+        idents = {lease.lease for lease in leases if lease.pinned and lease.lease}
+        if idents:
+            self._give_back(idents)
+
+    def _give_back(self, idents) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._done.extend(idents)
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_done, name="kvtier-release", daemon=True)
+                self._flusher.start()
+            self._done_changed.notify_all()
+
+    def _flush_done(self) -> None:
+        """Send the handles given back when no request has carried them for ``RELEASE_DELAY_S``."""
+        with self._lock:
+            while not self._closed:
+                if not self._done:
+                    self._done_changed.wait()
+                    continue
+                waiting = self._done
+                self._done_changed.wait(RELEASE_DELAY_S)
+                if self._done and self._done is waiting and not self._closed:
+                    try:
+                        self._call(p.Release())
+                    except Unavailable:
+                        self._done = []  # the server lets them expire
 
     def reserve(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = ()) -> list[Reservation | None]:
         """Slots in the server's arena (one round trip) where this process maps it; otherwise
@@ -269,11 +354,19 @@ class KvtierClient:
     def _reserve_shared(
         self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes], deadline: float
     ) -> list[Reservation | None]:
+        """Slots from the pool while it has them (no round trip); a ``Reserve`` for the rest."""
+        reservations: list[Reservation | None] = self._lend_ahead(items, records)
+        if len(reservations) == len(items):
+            return reservations
+        items, records = items[len(reservations) :], records[len(reservations) :]
         keys, sizes = [key for key, _ in items], [size for _, size in items]
         request = p.Reserve(keys=keys, sizes=sizes, arena=self._arena_id, records=list(records))
-        reply, _ = self._call(request, deadline=deadline)
+        try:
+            reply, _ = self._call(request, deadline=deadline)
+        except Unavailable:
+            self.abort([r for r in reservations if r is not None])
+            raise
         memory = memoryview(self._arena.memory)
-        reservations: list[Reservation | None] = []
         for key, size, state, slot, offset in zip(keys, sizes, reply.states, reply.slots, reply.offsets):
             if state == "full":
                 break
@@ -283,6 +376,39 @@ class KvtierClient:
             view = memory[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size]
             reservations.append(Reservation(key, view, offset, slot))  # sealed by the server if it leaves memory
         return reservations
+
+    def _lend_ahead(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes]) -> list[Reservation]:
+        """Reservations for the first items from slots reserved ahead (a slot holds an object of
+        its size or smaller), while the pool has one fresh enough."""
+        now, memory, out = time.monotonic(), memoryview(self._arena.memory), []
+        for i, (key, size) in enumerate(items):
+            while self._pool and self._pool[0].use_by < now:  # too close to expiring: give it back
+                self._done.append(self._pool.popleft().slot)
+            if not self._pool or self._pool[0].size < size:
+                break
+            ahead = self._pool.popleft()
+            self._lent[ahead.slot] = ahead
+            view = memory[ARENA_OFFSET + ahead.offset : ARENA_OFFSET + ahead.offset + size]
+            out.append(Reservation(key, view, ahead.offset, ahead.slot, record=records[i] if records else b""))
+        self.stats.reserved_ahead += len(out)
+        return out
+
+    def _ahead_wanted(self, sizes: list[int]) -> list[int]:
+        """The slots to reserve ahead so that the pool holds what a store like this one needs
+        (as many slots as it has objects, each as big as its largest), within
+        ``reserve_ahead_bytes``."""
+        if not sizes or self._arena is None:
+            return []
+        size = max(max(sizes), max((a.size for a in self._pool), default=0))
+        count = min(len(sizes), self.reserve_ahead_bytes // size) - len(self._pool)
+        return [size] * max(0, count)
+
+    def _add_ahead(self, reply, sizes: list[int]) -> None:
+        use_by = time.monotonic() + self._lease_timeout_s / 2
+        small = [a for a in self._pool if a.size < (sizes[0] if sizes else 0)]
+        self._done.extend(a.slot for a in small)  # outgrown: the pool keeps one size, the largest
+        self._pool = deque(a for a in self._pool if a not in small)
+        self._pool.extend(_Ahead(s, o, size, use_by) for s, o, size in zip(reply.ahead_slots, reply.ahead_offsets, sizes))
 
     def _reserve_frames(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes]) -> list[Reservation]:
         """Buffers for sealed objects: the scratch buffer reused across writes where no other
@@ -307,11 +433,21 @@ class KvtierClient:
             self._scratch_free.release()
 
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """One ``Commit``, which names each object and refills the pool of slots reserved ahead."""
         if not reservations:
             return []
         try:
             if reservations[0].slot:
-                reply, _ = self._call(p.Commit(slots=[r.slot for r in reservations]))
+                with self._lock:
+                    for r in reservations:
+                        self._lent.pop(r.slot, None)
+                    ahead = self._ahead_wanted([len(r.view) for r in reservations])
+                    records = [r.record for r in reservations] if any(r.record for r in reservations) else []
+                    request = lambda: p.Commit(  # noqa: E731
+                        slots=[r.slot for r in reservations], keys=[r.key for r in reservations], records=records,
+                        ahead=ahead, arena=self._arena_id if ahead else b"")
+                    reply, _ = self._call(request)
+                    self._add_ahead(reply, ahead)
                 return list(reply.committed)
             records = [r.record for r in reservations] if any(r.record for r in reservations) else []
             reply, _ = self._call(p.Put(keys=[r.key for r in reservations], records=records), [r.view for r in reservations])
@@ -323,7 +459,12 @@ class KvtierClient:
             self._done_with(reservations)
 
     def abort(self, reservations: Sequence[Reservation]) -> None:
-        slots = [r.slot for r in reservations if r.slot]
+        """Slots lent from the pool go back to it (still unnamed on the server); the others are
+        aborted there."""
+        with self._lock:
+            lent = [self._lent.pop(r.slot) for r in reservations if r.slot in self._lent]
+            self._pool.extendleft(reversed(lent))
+        slots = [r.slot for r in reservations if r.slot and r.slot not in {a.slot for a in lent}]
         try:
             if slots:
                 self._call(p.Abort(slots=slots))

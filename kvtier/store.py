@@ -154,6 +154,12 @@ class TieredStore:
             reservations.append(reservation)
         return reservations
 
+    def bind(self, reservation: Reservation, key: bytes, size: int, record: bytes = b"") -> Reservation | None:
+        """A slot reserved ahead (under a placeholder key) for the object ``key`` of ``size``
+        bytes written into it; None where ``key`` is stored or being written already, or does
+        not fit (see ``MemoryTier.bind``)."""
+        return self.l1.bind(reservation, key, size, record)
+
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Make filled, sealed slots visible and queue their writes to the lower tiers."""
         for reservation in reservations:

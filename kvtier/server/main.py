@@ -1,6 +1,12 @@
 """``kvtier server``: composes the store, the shared arena, the ZeroMQ data port, the worker
 threads and the HTTP control plane, and runs them until SIGINT or SIGTERM.
 
+The front thread owns the data port. A request that only touches memory (``CacheService.
+answers_from_memory``: a ping, the handles of two-phase writes and leases, and with every tier in
+memory a lookup or a retrieve) it answers itself; anything that may wait on a disk, a network or a
+large copy it hands to a worker thread, and relays the reply. A round trip of the first kind
+costs what a bare ZeroMQ one does, plus the handler.
+
 Stopping may never hang, whatever clients sent: no socket lingers, every receive and every wait
 on ZeroMQ is bounded by ``_POLL_MS`` so each thread sees the stop within that time, the stop waits
 for them all against one deadline, and a watchdog that fires past ``STOP_DEADLINE_S`` removes the
@@ -27,6 +33,7 @@ from kvtier.server.kv_events import KVEventPublisher
 from kvtier.server.lookup import LookupApi, Tokenizers
 from kvtier.server.service import CacheService
 from kvtier.build import build_store
+from kvtier.wire import protocol as p
 from kvtier.wire.curve import ServerKeys
 from kvtier.wire.shm import SharedArena
 
@@ -75,7 +82,7 @@ class KvtierServer:
         self._stopping = threading.Event()
         self._context = zmq.Context()
         self._context.setsockopt(zmq.LINGER, 0)  # every socket: unsent messages never hold up a stop
-        self._proxy_thread: threading.Thread | None = None
+        self._front_thread: threading.Thread | None = None
         self._threads: list[threading.Thread] = []  # those that stop on ``_stopping``
         self._control: zmq.Socket | None = None  # set once serving
         self.http: HttpServer | None = None
@@ -119,7 +126,7 @@ class KvtierServer:
         control.bind(_CONTROL)
         self._control = self._context.socket(zmq.PAIR)
         self._control.connect(_CONTROL)
-        self._proxy_thread = self._spawn("kvtier-proxy", self._proxy, frontend, backend, control)
+        self._front_thread = self._spawn("kvtier-front", self._front, frontend, backend, control)
         self._threads.append(self._spawn("kvtier-monitor", self._monitor, monitor))
         for i in range(self.config.max_workers):
             self._threads.append(self._spawn(f"kvtier-worker-{i}", self._worker))
@@ -142,12 +149,12 @@ class KvtierServer:
         try:
             if self._control is not None:
                 self.http.stop(max(0.0, deadline - time.monotonic()))
-                # The proxy first: while it runs, the workers are there to take what it forwards.
+                # The front thread first: while it runs, the workers are there to take what it forwards.
                 try:
                     self._control.send(b"TERMINATE", zmq.NOBLOCK)
-                except zmq.Again:  # the proxy is gone already
+                except zmq.Again:  # the front thread is gone already
                     pass
-                stopped = self._join([self._proxy_thread], deadline)
+                stopped = self._join([self._front_thread], deadline)
                 self._control.close()
                 self._stopping.set()
                 stopped = self._join(self._threads, deadline) and stopped
@@ -188,12 +195,45 @@ class KvtierServer:
 
     # -- threads -----------------------------------------------------------------------------
 
-    def _proxy(self, frontend, backend, control) -> None:
+    def _front(self, frontend, backend, control) -> None:
+        """Answer memory-only requests in place, pass the others to the workers and their
+        replies back, until the control socket says ``TERMINATE``."""
+        poller = zmq.Poller()
+        for sock in (frontend, backend, control):
+            poller.register(sock, zmq.POLLIN)
+        sending: list[tuple[zmq.MessageTracker, Callable[[], None]]] = []
         try:
-            zmq.proxy_steerable(frontend, backend, None, control)
+            while True:
+                ready = dict(poller.poll(_POLL_MS))
+                if control in ready and control.recv() == b"TERMINATE":
+                    return
+                try:
+                    if backend in ready:
+                        _drain(backend, lambda parts: frontend.send_multipart(parts, copy=False))
+                    if frontend in ready:
+                        _drain(frontend, lambda parts: self._dispatch(parts, frontend, backend, sending))
+                except Exception:  # one message lost; the port goes on serving
+                    log.exception("data port: a message could not be handled")
+                sending = self._release_sent(sending)
+                self.service.expire()
         finally:
             for sock in (frontend, backend, control):
                 sock.close(linger=0)
+
+    def _dispatch(self, parts: list, frontend, backend, sending: list) -> None:
+        """One request from the data port: [peer, (envelope...), b"", request frames...]."""
+        delimiter = next((i for i, part in enumerate(parts) if not len(part.buffer)), None)
+        if delimiter is None or delimiter + 1 >= len(parts):
+            return  # no envelope delimiter, or nothing after it: a REQ peer never sends this; drop it
+        if not self.service.answers_from_memory(p.peek_op(parts[delimiter + 1].buffer)):
+            backend.send_multipart(parts, copy=False)
+            return
+        reply, after_send = self.service.handle([part.buffer for part in parts[delimiter + 1 :]])
+        message = [*(part.bytes for part in parts[: delimiter + 1]), *reply]
+        if after_send is None:
+            frontend.send_multipart(message, copy=False)
+        else:  # frames are views of leased objects: released once ZeroMQ is done with them
+            sending.append((frontend.send_multipart(message, copy=False, track=True), after_send))
 
     def _monitor(self, monitor) -> None:
         monitor.setsockopt(zmq.RCVTIMEO, _POLL_MS)
@@ -250,6 +290,16 @@ class KvtierServer:
             else:
                 in_flight.append((tracker, after_send))
         return in_flight
+
+
+def _drain(sock: zmq.Socket, handle: Callable[[list], None]) -> None:
+    """Every message ``sock`` holds now, to ``handle`` (bounded: the other sockets get a turn)."""
+    for _ in range(64):
+        try:
+            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        handle(parts)
 
 
 def run(config: ServerConfig) -> int:

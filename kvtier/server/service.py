@@ -1,7 +1,8 @@
 """What the server does with each request: the handler table for the messages of
 ``kvtier.wire.protocol``, over the store's key-store protocol (``keystore.KeyStore``) only.
 
-Thread-safe: several worker threads call ``handle`` at once. Leases and reservations handed to
+Thread-safe: the server's front thread and its worker threads call ``handle`` at once (the
+front thread only for requests ``answers_from_memory`` names). Leases and reservations handed to
 clients are kept here with a deadline; ``expire`` releases the ones whose client went quiet.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +44,14 @@ class _Held:
     deadline: float
     leases: list[Lease] | None = None
     reservation: Reservation | None = None
+    ahead: bool = False  # reserved ahead: its key is a placeholder until the commit names it
+
+
+#: Requests that only touch memory (metadata of L1 and of the handles kept here): the front
+#: thread answers them itself, without the two hops to a worker thread and back.
+_MEMORY_OPS = frozenset({"hello", "ping", "reserve", "commit", "abort", "release"})
+#: ... and these too where every tier is in memory (otherwise they may wait on a disk or network).
+_LOOKUP_OPS = frozenset({"lookup", "retrieve"})
 
 
 class CacheService:
@@ -65,8 +75,12 @@ class CacheService:
         self.status_extra = status_extra
         self.started = time.time()
         self._held: dict[int, _Held] = {}
-        self._ids = itertools.count(1)
+        # from a random start: a handle of a server that has since restarted names nothing here
+        self._ids = itertools.count(secrets.randbelow(1 << 62) + 1)
+        self._next_deadline = float("inf")  # the earliest deadline held (expire is a no-op before it)
         self._lock = threading.Lock()
+        self._per_op: dict[str, tuple] = {}  # each op's request counter and latency histogram
+        self._memory_only = all(tier.medium.value == "memory" for tier in store.tiers)
         self._handlers: dict[type, Callable[[p.Request, list], Response]] = {
             p.Hello: self._hello,
             p.Ping: self._ping,
@@ -84,6 +98,11 @@ class CacheService:
 
     # -- dispatch ----------------------------------------------------------------------------
 
+    def answers_from_memory(self, op: str) -> bool:
+        """Whether a request of this ``op`` never waits on a disk or a network (the front thread
+        may answer it in place)."""
+        return op in _MEMORY_OPS or (self._memory_only and op in _LOOKUP_OPS)
+
     def handle(self, frames: list) -> Response:
         """Never raises: every failure becomes an ``Error`` reply and the server goes on."""
         start = time.perf_counter()
@@ -94,15 +113,18 @@ class CacheService:
         if request.v != p.PROTOCOL_VERSION:
             return self._error("version", f"protocol version {request.v}; this server speaks {p.PROTOCOL_VERSION}")
         op = type(request).__struct_config__.tag
-        self.metrics.requests.labels(op).inc()
+        counted, timed = self._per_op.get(op) or self._per_op.setdefault(
+            op, (self.metrics.requests.labels(op), self.metrics.latency.labels(op)))
+        counted.inc()
         try:
+            self._give_back(request.done)
             response = self._handlers[type(request)](request, frames[1:])
         except BadRequest as exc:
             return self._error("bad-request", str(exc))
         except Exception:
             log.exception("%s failed", op)
             return self._error("internal", f"{op} failed on the server; see its log")
-        self.metrics.latency.labels(op).observe(time.perf_counter() - start)
+        timed.observe(time.perf_counter() - start)
         return response
 
     def _error(self, code: str, message: str) -> Response:
@@ -119,6 +141,7 @@ class CacheService:
         with self._lock:
             ident = next(self._ids)
             self._held[ident] = held
+            self._next_deadline = min(self._next_deadline, held.deadline)
         return ident
 
     def _take(self, ident: int) -> _Held | None:
@@ -126,18 +149,32 @@ class CacheService:
             return self._held.pop(ident, None)
 
     def expire(self) -> None:
-        """Release leases and abort reservations whose deadline has passed."""
+        """Release leases and abort reservations whose deadline has passed (called after every
+        request: nothing to do, and no walk over the handles, before the earliest deadline)."""
         now = time.monotonic()
+        if now <= self._next_deadline:
+            return
         with self._lock:
             late = [i for i, held in self._held.items() if held.deadline < now]
             expired = [self._held.pop(i) for i in late]
+            self._next_deadline = min((held.deadline for held in self._held.values()), default=float("inf"))
         for held in expired:
-            if held.leases is not None:
-                self.store.release(held.leases)
-                self.metrics.expired.labels("lease").inc()
-            else:
-                self.store.abort([held.reservation])
-                self.metrics.expired.labels("reservation").inc()
+            self._end(held)
+            self.metrics.expired.labels("lease" if held.leases is not None else "reservation").inc()
+
+    def _give_back(self, idents: list[int]) -> None:
+        """The handles a client is done with: leases released, slots aborted; unknown or
+        expired ones are ignored (each handle is ended once, by whoever takes it first)."""
+        for ident in idents:
+            held = self._take(ident)
+            if held is not None:
+                self._end(held)
+
+    def _end(self, held: _Held) -> None:
+        if held.leases is not None:
+            self.store.release(held.leases)
+        else:
+            self.store.abort([held.reservation])
 
     def _deadline(self) -> float:
         return time.monotonic() + self.lease_timeout_s
@@ -154,6 +191,7 @@ class CacheService:
                 shm_size=len(self.arena.memory) if shared else 0,
                 shm_nonce=self.arena.nonce if shared else b"",
                 arena_offset=ARENA_OFFSET,
+                lease_timeout_s=self.lease_timeout_s,
             )
         )
 
@@ -213,37 +251,78 @@ class CacheService:
                 slots.append(self._hold(_Held(self._deadline(), reservation=reservation)))
                 offsets.append(reservation.offset)
         full = len(request.keys) - len(reservations)
+        ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead)
         return self._reply(p.ReserveReply(states=states + ["full"] * full, slots=slots + [0] * full,
-                                          offsets=offsets + [-1] * full))
+                                          offsets=offsets + [-1] * full, ahead_slots=ahead_slots,
+                                          ahead_offsets=ahead_offsets))
+
+    def _reserve_ahead(self, sizes: list[int]) -> tuple[list[int], list[int]]:
+        """Unnamed slots of these sizes, as many as there is room for: (ids, arena offsets). Each
+        is reserved under a random placeholder key, which no reader asks for (and an uncommitted
+        slot is invisible anyway) until the commit that names its object binds the real key."""
+        idents, offsets = [], []
+        for size in sizes:
+            [reservation] = self.store.reserve([(secrets.token_bytes(32), size)]) or [None]
+            if reservation is None:
+                break
+            idents.append(self._hold(_Held(self._deadline(), reservation=reservation, ahead=True)))
+            offsets.append(reservation.offset)
+        return idents, offsets
 
     def _commit(self, request: p.Commit, frames: list) -> Response:
+        if request.keys and len(request.keys) != len(request.slots):
+            raise BadRequest("commit: slots and keys differ in length")
+        _check_records("commit", request.records, len(request.keys))
+        if request.ahead and (self.arena.path is None or self._stale(request.arena)):
+            return self._error("stale-arena", "commit reserves ahead in another arena; say hello again")
         committed = []
-        for ident in request.slots:
-            held = self._take(ident)
-            if held is None or held.reservation is None:
-                committed.append(False)  # unknown or expired (and aborted)
+        for i, ident in enumerate(request.slots):
+            held = self._take_reservation(ident)
+            if held is None:
+                committed.append(False)  # unknown, expired (and aborted), or a lease
                 continue
             reservation = held.reservation
+            key = request.keys[i] if request.keys else reservation.key
+            if key != reservation.key and not held.ahead:
+                self.store.abort([reservation])
+                committed.append(False)  # a slot reserved by key holds that key's object only
+                continue
             try:  # same-host clients are trusted with memory, not with framing: check the header
-                header, _ = check_object(reservation.view, reservation.key, verify_checksum=False)
-                if header.object_size != len(reservation.view):
+                header, _ = check_object(reservation.view, key, verify_checksum=False)
+                if header.object_size != len(reservation.view) and not held.ahead:
                     raise ObjectError("object size differs from the reserved size")
             except ObjectError as exc:
                 log.warning("refusing a committed object: %s", exc)
                 self.store.abort([reservation])
                 committed.append(False)
                 continue
+            if held.ahead:  # the slot takes its object's key and size now
+                bound = self.store.bind(reservation, key, header.object_size, request.records[i] if request.records else b"")
+                if bound is None:  # stored (or being stored) by another writer meanwhile, or too big
+                    self.store.abort([reservation])
+                    committed.append(header.object_size <= len(reservation.view) and self.store.l1.contains([key])[0])
+                    continue
+                reservation = bound
             committed.extend(self.store.commit([reservation]))
             self.metrics.stored_tokens.inc(header.num_tokens)
             self.metrics.store_bytes.observe(len(reservation.view))
-        return self._reply(p.CommitReply(committed=committed))
+        ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead)
+        return self._reply(p.CommitReply(committed=committed, ahead_slots=ahead_slots, ahead_offsets=ahead_offsets))
 
     def _abort(self, request: p.Abort, frames: list) -> Response:
         for ident in request.slots:
-            held = self._take(ident)
-            if held is not None and held.reservation is not None:
+            held = self._take_reservation(ident)
+            if held is not None:
                 self.store.abort([held.reservation])
         return self._reply(p.AbortReply())
+
+    def _take_reservation(self, ident: int) -> _Held | None:
+        """The reservation under ``ident``, taken; None (and a lease left alone) otherwise."""
+        with self._lock:
+            held = self._held.get(ident)
+            if held is None or held.reservation is None:
+                return None
+            return self._held.pop(ident)
 
     def _put(self, request: p.Put, frames: list) -> Response:
         if len(frames) != len(request.keys):
@@ -289,10 +368,7 @@ class CacheService:
         return self._reply(p.RetrieveReply(lease=ident, offsets=offsets, sizes=sizes), *out)
 
     def _release(self, request: p.Release, frames: list) -> Response:
-        held = self._take(request.lease)
-        if held is not None and held.leases is not None:
-            self.store.release(held.leases)
-        return self._reply(p.ReleaseReply())
+        return self._reply(p.ReleaseReply())  # its ``done`` handles were given back by ``handle``
 
     def _clear(self, request: p.Clear, frames: list) -> Response:
         if not self.authorized(request.token):
@@ -327,6 +403,7 @@ class CacheService:
             tiers.append({"name": tier.name, "medium": tier.medium.value, "healthy": tier.healthy, **usage, "stats": tier.stats.as_dict()})
         with self._lock:
             held = len(self._held)
+            ahead = sum(h.ahead for h in self._held.values())
         return {
             "version": __version__,
             "uptime_s": round(time.time() - self.started, 3),
@@ -335,6 +412,7 @@ class CacheService:
             "tiers": tiers,
             "store": msgspec.to_builtins(self.store.stats),
             "leases_and_reservations": held,
+            "reserved_ahead": ahead,  # of those, slots in clients' pools
             "traffic": self.metrics.traffic(),
             **self.status_extra(),
         }

@@ -133,6 +133,24 @@ class MemoryTier(Tier):
             self._policy.inserted(reservation.key, slot.size, self.lineage.get(reservation.key))
             self._stored(reservation.key, slot.size)
 
+    def bind(self, reservation: Reservation, key: bytes, size: int, record: bytes = b"") -> Reservation | None:
+        """The slot of an uncommitted ``reservation`` (made under a placeholder key: reserved
+        ahead, before its object was known) now reserved for the object ``key`` of ``size``
+        bytes and its block ``record``; the pages of the slot past ``size`` are freed. None,
+        and nothing changed, where ``key`` is stored or being written already, or where the
+        object does not fit."""
+        with self._lock:
+            slot = self._slots.get(reservation.key)
+            if key in self._slots or slot is None or slot.committed or not 0 < size <= slot.size:
+                return None
+            del self._slots[reservation.key]
+            kept = align_up(size)
+            if kept < slot.reserved:
+                self._allocator.free(slot.offset + kept, slot.reserved - kept)
+            slot.size, slot.reserved, slot.record = size, kept, bytes(record)
+            self._slots[key] = slot
+        return Reservation(key, self._arena[slot.offset : slot.offset + size], slot.offset)
+
     def abort(self, reservation: Reservation) -> None:
         """Give back a slot that will not be committed."""
         with self._lock:

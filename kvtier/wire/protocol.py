@@ -15,9 +15,16 @@ empty for none): the server keeps it beside the object and publishes vLLM's KV e
 
 Writes through shared memory are two-phase: ``Reserve`` gives slots in the arena, the client
 writes whole sealed objects into them, ``Commit`` makes them visible (or ``Abort`` gives them back).
+Slots may be reserved *ahead* (``ahead`` sizes in ``Reserve`` and ``Commit``): unnamed until the
+``Commit`` that names the key of the object written into each, so a client that keeps a pool of
+them stores with one round trip (fill, then ``Commit``, which refills the pool).
 Reads through shared memory are leases: ``Retrieve`` pins objects and says where they are,
-``Release`` unpins them. Both expire after the server's lease timeout, so a client that dies
-mid-way cannot pin memory forever.
+``Release`` unpins them. Any request may carry the handles its client is done with (``done``:
+leases to release, slots reserved ahead it will not fill), handled before the request itself, so
+a release costs no round trip of its own; ``Release`` alone is for when no request follows soon.
+Leases and slots expire after the server's lease timeout (``HelloReply.lease_timeout_s``), so a
+client that dies mid-way cannot pin memory for longer. Handles are numbered from a random start,
+so the handles of a server that has since restarted never name the new one's leases.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import msgspec
 
 from kvtier.events import MAX_RECORD_BYTES, CacheEvent
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: Shared-memory requests name the arena they mean by this many bytes of its nonce, so a client
 #: still mapping the arena of a server that has since restarted is refused ("stale-arena"),
 #: never handed offsets into memory that now means something else.
@@ -48,6 +55,7 @@ Sizes = Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]],
 
 class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, frozen=True):
     v: int = PROTOCOL_VERSION
+    done: Ids = []  # handles the client is done with: leases released, unfilled slots aborted, first
 
 
 class Hello(_Request, tag="hello"):
@@ -75,16 +83,27 @@ class Lookup(_Request, tag="lookup"):
 
 class Reserve(_Request, tag="reserve"):
     """Slots for whole objects; ``sizes[i]`` is the size of the object under ``keys[i]`` and
-    ``records[i]`` its block record (``records`` empty: none)."""
+    ``records[i]`` its block record (``records`` empty: none); and slots reserved ahead, unnamed,
+    of the ``ahead`` sizes (as many as there is room for)."""
 
     keys: Keys = []
     sizes: Sizes = []
     arena: bytes = b""  # the client's arena id (ARENA_ID_SIZE bytes of the hello nonce)
     records: Records = []
+    ahead: Sizes = []
 
 
 class Commit(_Request, tag="commit"):
-    slots: Ids = []  # slot ids from ReserveReply
+    """Make filled slots visible. ``keys[i]`` (all or none) names the object in ``slots[i]``:
+    required for a slot reserved ahead, which takes that key now (``records[i]`` its block record);
+    a slot reserved by key must be named by its own. ``ahead``: slots to reserve ahead again, in
+    the same round trip. A slot whose key is cached already is given back (committed: True)."""
+
+    slots: Ids = []  # slot ids from ReserveReply or CommitReply
+    keys: Keys = []
+    records: Records = []
+    ahead: Sizes = []
+    arena: bytes = b""  # required with ``ahead``
 
 
 class Abort(_Request, tag="abort"):
@@ -108,7 +127,7 @@ class Retrieve(_Request, tag="retrieve"):
 
 
 class Release(_Request, tag="release"):
-    lease: int = 0
+    """Nothing but its ``done`` handles."""
 
 
 class Clear(_Request, tag="clear"):
@@ -138,6 +157,7 @@ class HelloReply(_Reply, tag="hello"):
     shm_size: int
     shm_nonce: bytes  # the arena's first bytes: a client that reads them maps the same memory
     arena_offset: int
+    lease_timeout_s: float  # a lease or a slot left this long is released or aborted
 
 
 class Pong(_Reply, tag="pong"):
@@ -155,15 +175,20 @@ SlotState = Literal["slot", "cached", "full"]
 
 class ReserveReply(_Reply, tag="reserve"):
     """Per key: a slot to fill (``slot`` id, arena ``offset``), ``cached`` already, or ``full``
-    (no room; the keys after it are not reserved either)."""
+    (no room; the keys after it are not reserved either). Then the slots reserved ahead: the
+    first ``len(ahead_slots)`` of the ``ahead`` sizes asked for."""
 
     states: list[str]
     slots: list[int]
     offsets: list[int]
+    ahead_slots: list[int] = []
+    ahead_offsets: list[int] = []
 
 
 class CommitReply(_Reply, tag="commit"):
     committed: list[bool]
+    ahead_slots: list[int] = []  # as in ReserveReply
+    ahead_offsets: list[int] = []
 
 
 class AbortReply(_Reply, tag="abort"):
@@ -209,7 +234,12 @@ Reply = Union[
     ReleaseReply, ClearReply, StatusReply, EventsReply, Error,
 ]
 
+class _Op(msgspec.Struct):
+    op: str = ""
+
+
 _encoder = msgspec.msgpack.Encoder()
+_op_decoder = msgspec.msgpack.Decoder(_Op)
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
@@ -221,6 +251,15 @@ def encode(message: msgspec.Struct) -> bytes:
 def decode_request(data: bytes | memoryview) -> Request:
     """Raises msgspec.DecodeError/ValidationError for anything that is not a valid request."""
     return _request_decoder.decode(data)
+
+
+def peek_op(data: bytes | memoryview) -> str:
+    """The ``op`` of an encoded request without decoding the rest ("" when there is none): lets
+    the server choose where a request is handled before it is validated."""
+    try:
+        return _op_decoder.decode(data).op
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
 
 
 def decode_reply(data: bytes | memoryview) -> Reply:
