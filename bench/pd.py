@@ -6,7 +6,10 @@ prefill engine computes the prompt and saves its KV; the decode engine loads it.
 time of a request is what the connectors spend on it: copying the pages out of vLLM's blocks and
 storing them (prefill side) plus retrieving and copying them into vLLM's blocks (decode side).
 Its floor is one memcpy of the same bytes in this process (a transfer makes three copies: pages
-to staging, staging to the server's shared memory, shared memory to pages). A second decode
+to staging, staging to the server's shared memory, shared memory to pages) and the server round
+trips it costs, counted by the server (a save's Commit, with Reserve while the client's pool of
+slots reserved ahead is short; a load's lookup and Retrieve, its release riding on a later request
+or sent alone after 50 ms). A second decode
 engine loads the same KV as one on another host would, as message frames over the socket
 ("load, frames"; not in the ratio).
 
@@ -17,7 +20,7 @@ inter-token latency (ITL) per request, phases alternating; the answers of both s
 the same, and the decode instance's own prefill (prompt tokens it did not get from kvtier, from
 vLLM's usage counters) is reported.
 
-    transfer_vs_memcpy          memcpy time / transfer time, summed over the part-1 requests (target >= 0.03)
+    transfer_vs_memcpy          memcpy time / transfer time, summed over the part-1 requests (target >= 0.4)
     decoder_prefill_tokens_max  the most prompt tokens the decoder computed for one request (target <= 1)
     outputs_identical           every 1P1D answer equals the single instance's, greedy (target: true)
     itl_p90_1p1d_vs_single      single / 1P1D inter-token latency p90 (target >= 0.9, no worse beyond
@@ -29,12 +32,16 @@ exits 1 when a target is missed. ``--quick`` takes a few minutes.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 import argparse
+import json
+import os
 import random
 import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+import time
+import urllib.request
 
 import numpy as np
 
@@ -61,13 +68,13 @@ def _tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(f"pd-{seed}")
     return [rng.randrange(4, 4096) for _ in range(n)]
 
-# transfer_vs_memcpy: three copies and a few server calls, 0.095 in docs/vllm.md's full run and
-# 0.047 in a --quick run whose transfers were faster but whose 4 MiB memcpy ran from cache (0.1 ms
-# against 0.33): the reference moves that much, so the bar is a third of the full run's figure.
+# transfer_vs_memcpy: issue 15's bar. Three copies cap it at 0.33 at memcpy speed; the figures
+# before it were 0.095 (docs/vllm.md's full run) and 0.047-0.10 (--quick, whose 4 MiB memcpy runs
+# from cache: 0.1 ms against 0.33). README and docs/vllm.md say where the time goes.
 # itl_p90: the full run's 1P1D tail was 1.58x shorter; --quick's dozen requests measured 0.95, so
 # the bar asks for no worse beyond that noise.
 TARGETS = {
-    "transfer_vs_memcpy": Target(">=", 0.03, "three copies and server calls"),
+    "transfer_vs_memcpy": Target(">=", 0.4, "three copies and server calls"),
     "decoder_prefill_tokens_max": Target("<=", 1, "the decoder computes one prompt token"),
     "outputs_identical": Target("==", True),
     "itl_p90_1p1d_vs_single": Target(">=", 0.9, "prefills do not interrupt decoding"),
@@ -98,7 +105,12 @@ def _worker_stats(engine: EngineProcess) -> dict:
     return engine.drain()["worker"]
 
 
-def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -> list[dict]:
+def _server_calls(status_url: str) -> dict[str, int]:
+    with urllib.request.urlopen(status_url, timeout=10) as reply:
+        return json.load(reply)["traffic"]["requests"]
+
+
+def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int], status_url: str) -> list[dict]:
     env = engine_env()
     max_len = max(lengths) + 256
     producer = EngineProcess(model, workdir, kvtier_transfer_config({"kvtier.url": url}, "kv_producer"),
@@ -115,11 +127,13 @@ def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -
             engine.generate([_tokens(0, 300)])
         for length in lengths:
             prompt = _tokens(length, length - 7)  # ends inside a block: the tail travels too
-            p0, c0 = _worker_stats(producer), _worker_stats(consumer)
+            p0, c0, calls0 = _worker_stats(producer), _worker_stats(consumer), _server_calls(status_url)
             [prefilled] = producer.generate([prompt], kv_transfer_params={PREFILL_PARAM: True})
             p1 = _worker_stats(producer)
             [decoded] = consumer.generate([prompt], kv_transfer_params=prefilled["kv_transfer_params"])
             c1 = _worker_stats(consumer)
+            time.sleep(0.2)  # the consumer's release, sent alone when no request follows
+            calls = {op: n - calls0.get(op, 0) for op, n in _server_calls(status_url).items() if n > calls0.get(op, 0)}
             r0 = _worker_stats(remote)
             [remote_decoded] = remote.generate([prompt], kv_transfer_params=prefilled["kv_transfer_params"])
             r1 = _worker_stats(remote)
@@ -133,7 +147,7 @@ def measure_transfer(model: Path, workdir: Path, url: str, lengths: list[int]) -
                          "mib": nbytes / 2**20, "save_ms": (stage + store) * 1e3, "load_ms": load * 1e3,
                          "stage_ms": stage * 1e3, "store_ms": store * 1e3, "retrieve_ms": retrieve * 1e3,
                          "frames_load_ms": (r1["load_seconds"] - r0["load_seconds"]) * 1e3,
-                         "memcpy_ms": memcpy * 1e3, "same_first_token": decoded["token_ids"] == prefilled["token_ids"] == remote_decoded["token_ids"]})
+                         "memcpy_ms": memcpy * 1e3, "calls": calls, "same_first_token": decoded["token_ids"] == prefilled["token_ids"] == remote_decoded["token_ids"]})
     return rows
 
 
@@ -194,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     url = f"tcp://127.0.0.1:{kv_port}"
     services: list[Service] = []
     try:
-        transfer = measure_transfer(model, workdir, url, args.lengths)
+        transfer = measure_transfer(model, workdir, url, args.lengths, f"http://127.0.0.1:{kv_http}/status")
         print("part 1: KV transfer per request, prefill engine -> kvtier server (shared memory) -> decode engine")
         print("(save = stage: pages to a staging ring on the engine's path + store: ring to the server's shared"
               " memory, in a thread; load = retrieve: lookup and pin + copy into vLLM's pages)")
@@ -205,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['tokens']:>7} {r['mib']:>6.1f} {r['stage_ms']:>7.2f} {r['store_ms']:>7.2f} {r['retrieve_ms']:>9.2f}"
                   f" {r['load_ms']:>7.2f} {total:>9.2f} {r['memcpy_ms']:>10.2f} {r['memcpy_ms'] / total:>6.2f}"
                   f" {r['computed']:>17} {r['frames_load_ms']:>13.2f}")
+        for r in transfer:
+            print(f"server round trips, {r['tokens']} tokens (prefill save + decode load, both schedulers' lookups):"
+                  f" {', '.join(f'{op} {n}' for op, n in sorted(r['calls'].items()))}")
 
         rng = random.Random("pd-load")
         lengths = [rng.choice((256, 512, 1024, 2048, 3072)) + rng.randrange(0, 128) for _ in range(args.requests)]
@@ -246,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             "transfer_vs_memcpy": round(memcpy / (save + load), 3),
             "load_vs_memcpy": round(memcpy / load, 3),
             "frames_load_vs_memcpy": round(memcpy / sum(r["frames_load_ms"] for r in transfer), 3),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "server_calls_per_transfer": round(sum(sum(r["calls"].values()) for r in transfer) / len(transfer), 2),
             "transfer_gib_s": round(sum(r["mib"] for r in transfer) / 1024 / ((save + load) / 1e3), 3),
             "decoder_prefill_tokens_max": decoder_max,
             "outputs_identical": identical and all(r["same_first_token"] for r in transfer),

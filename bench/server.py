@@ -22,12 +22,13 @@ A real `kvtier server` process serves; this process is the engine. Prints a tabl
 
 from __future__ import annotations
 
+from pathlib import Path
 import argparse
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(args.plot, rows, chunks, p50, p99)
     summary = {
+        "load_average": [round(x, 2) for x in os.getloadavg()],
         "shm_store_vs_memcpy": round(shm_result["store"] / shm_result["memcpy_in"], 3),
         "shm_retrieve_vs_memcpy": round(shm_result["retrieve"] / shm_result["memcpy_out"], 3),
         "frames_store_gib_s": round(frames_result["store"], 3),

@@ -42,6 +42,32 @@ def test_aborted_reservation_frees_its_room():
     assert t.usage().used_bytes == 0 and t.reserve(key(2), PAGE) is not None
 
 
+def test_a_slot_reserved_ahead_takes_its_objects_key_and_frees_what_it_does_not_use():
+    t = tier(8)
+    ahead = t.reserve(key(100), 4 * PAGE)  # under a placeholder key
+    assert t.usage().used_bytes == 4 * PAGE
+    bound = t.bind(ahead, key(1), PAGE + 10, b"")
+    assert bound.key == key(1) and len(bound.view) == PAGE + 10 and bound.offset == ahead.offset
+    assert t.usage().used_bytes == 2 * PAGE  # the pages past the object went back
+    assert t.contains([key(1)]) == [False]  # bound, not committed: still invisible
+    bound.view[:] = b"y" * (PAGE + 10)
+    t.commit(bound)
+    assert bytes(t.lease(key(1)).view) == b"y" * (PAGE + 10)
+    assert t.reserve(key(100), PAGE) is not None  # the placeholder names nothing any more
+
+
+def test_a_slot_reserved_ahead_is_not_bound_to_a_stored_key_or_a_bigger_object():
+    t = tier(8)
+    r = t.reserve(key(1), PAGE)
+    t.commit(r)
+    ahead = t.reserve(key(100), PAGE)
+    assert t.bind(ahead, key(1), PAGE) is None  # stored already: the slot is untouched
+    assert t.bind(ahead, key(2), PAGE + 1) is None  # does not fit
+    assert t.bind(r, key(3), PAGE) is None  # committed: not a slot to bind
+    t.abort(ahead)
+    assert t.usage().used_bytes == PAGE
+
+
 @pytest.mark.parametrize(
     "policy,expected_victim", [("LRU", 2), ("FIFO", 1), ("LFU", 2)]
 )

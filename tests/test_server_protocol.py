@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 
@@ -13,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.cache import TokenCache
-from kvtier.client import KvtierClient
+from kvtier.client import KvtierClient, Unavailable
 from kvtier.config import ServerConfig, convert
 from kvtier.server.main import KvtierServer
 from kvtier.wire import protocol as p
@@ -161,6 +163,7 @@ def test_specific_bad_requests_are_named(raw_socket):
     assert ask(raw_socket, [huge]).code == "bad-request"
     many = msgspec.msgpack.encode({"op": "lookup", "keys": [key] * (p.MAX_KEYS + 1)})
     assert ask(raw_socket, [many]).code == "bad-request"
+    assert ask(raw_socket, [p.encode(p.Ping(v=3))]).code == "version"  # the protocol before slots reserved ahead
     stale = ask(raw_socket, [p.encode(p.Retrieve(keys=[key], arena=b"12345678"))])
     assert stale.code == "stale-arena"
     for bad, why in [
@@ -307,4 +310,123 @@ def test_events_travel_to_the_client(server):
     assert [(e.kind, e.tier) for e in events] == [("stored", "memory")] * 2
     assert {e.key for e in events} == {s.key for s in TokenCache(client).spans(NS, toks)}
     assert client.take_events() == []
+    client.close()
+
+
+def requests_of(server) -> dict[str, int]:
+    return dict(server.service.metrics.traffic()["requests"])
+
+
+def test_a_store_and_a_load_are_one_round_trip_each_in_steady_state(server, monkeypatch):
+    """Slots come from the client's pool (refilled by each commit) and a release rides on the
+    next request: after the first store, a store is one Commit and a load one Retrieve."""
+    monkeypatch.setattr("kvtier.client.RELEASE_DELAY_S", 30.0)  # no release sent alone, however slow the machine
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+    cache = TokenCache(client)
+    first = tokens(80_000, 48)
+    assert cache.store(NS, first, fill_for(first)) == 3  # Reserve + Commit; the pool fills
+    before = requests_of(server)
+    for i in range(1, 4):
+        toks = tokens(80_000 + 1000 * i, 48)
+        assert cache.store(NS, toks, fill_for(toks)) == 3
+        with cache.retrieve(NS, toks) as r:
+            assert r.num_tokens == 48 and retrieved_is_exact(r, toks)
+    after = requests_of(server)
+    assert {op: after[op] - before.get(op, 0) for op in after if after[op] != before.get(op, 0)} == \
+        {"commit": 3, "retrieve": 3}
+    status = server.service.status()
+    assert status["leases_and_reservations"] - status["reserved_ahead"] == 1  # the last lease: no request since
+    assert client.ping()  # carries it
+    status = server.service.status()
+    assert status["leases_and_reservations"] == status["reserved_ahead"] == 3
+    client.close()
+    assert server.service.status()["leases_and_reservations"] == 0  # close gave the pool back
+
+
+def test_pooled_reservations_of_a_killed_client_are_freed_after_the_lease_timeout(tmp_path):
+    server = start_server(lease_timeout_s=1.0)
+    script = f"""
+import sys, time
+from kvtier.cache import TokenCache
+from kvtier.client import KvtierClient, Unavailable
+from kvtier_testing.workload import NS, fill_for, tokens
+cache = TokenCache(KvtierClient("tcp://127.0.0.1:{server.config.port}", timeout_s=5))
+toks = tokens(0, 64)
+assert cache.store(NS, toks, fill_for(toks)) == 4
+print("stored", flush=True)
+time.sleep(60)
+"""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "stored"
+        assert server.service.status()["reserved_ahead"] == 4
+        child.kill()  # holding its pool
+        child.wait()
+        assert server.store.l1.clear() == 4
+        assert server.store.l1.usage().used_bytes > 0  # the pool's slots still hold their memory
+        time.sleep(1.5)
+        server.service.expire()
+        assert server.service.status()["leases_and_reservations"] == 0
+        assert server.store.l1.usage().used_bytes == 0
+    finally:
+        child.kill()
+        server.stop()
+
+
+def test_bad_expired_and_misused_handles_are_refused_or_ignored():
+    server = start_server(lease_timeout_s=0.5)
+    try:
+        client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+        cache = TokenCache(client)
+        client.ping()
+        [span] = cache.spans(NS, tokens(0, 16))
+        size = 80 + 16 * NS.layout.bytes_per_token
+        reserve = lambda **kw: client._call(p.Reserve(arena=client._arena_id, **kw))[0]  # noqa: E731
+        ahead = reserve(ahead=[size, size])
+        assert len(ahead.ahead_slots) == 2 and server.service.status()["reserved_ahead"] == 2
+        # a slot reserved ahead and committed without a key, or with a key it does not hold: refused, freed
+        assert client._call(p.Commit(slots=ahead.ahead_slots[:1]))[0].committed == [False]
+        assert client._call(p.Commit(slots=ahead.ahead_slots[1:], keys=[span.key]))[0].committed == [False]
+        assert server.service.status()["leases_and_reservations"] == 0
+        assert server.store.l1.usage().used_bytes == 0 and cache.lookup(NS, tokens(0, 16)).hit_tokens == 0
+        # unknown handles in ``done``, a Release and an Abort: ignored; a reservation in ``done``: aborted
+        named = reserve(keys=[span.key], sizes=[size])
+        assert isinstance(client._call(p.Ping(done=[1, 2**40, named.slots[0] + 1]))[0], p.Pong)
+        assert server.service.status()["leases_and_reservations"] == 1
+        client._call(p.Release(done=[named.slots[0]]))
+        assert server.service.status()["leases_and_reservations"] == 0 and server.store.l1.usage().used_bytes == 0
+        # a lease named by Commit or Abort is left alone (it is not theirs to end)
+        toks = tokens(100, 16)
+        cache.store(NS, toks, fill_for(toks))
+        lease = client._call(p.Retrieve(keys=[s.key for s in cache.spans(NS, toks)], arena=client._arena_id))[0].lease
+        held = server.service.status()["leases_and_reservations"]
+        assert client._call(p.Commit(slots=[lease]))[0].committed == [False]
+        client._call(p.Abort(slots=[lease]))
+        assert server.service.status()["leases_and_reservations"] == held
+        # mismatched lists are named
+        with pytest.raises(Unavailable, match="slots and keys differ"):
+            client._call(p.Commit(slots=[1, 2], keys=[span.key]))
+        # an expired slot reserved ahead: its commit is refused, its memory gone
+        late = reserve(ahead=[size])
+        time.sleep(1.0)
+        server.service.expire()
+        assert client._call(p.Commit(slots=late.ahead_slots, keys=[span.key]))[0].committed == [False]
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_a_slot_reserved_ahead_holds_a_smaller_object_and_gives_back_the_rest(server):
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+    cache = TokenCache(client)
+    full = tokens(90_000, 32)
+    assert cache.store(NS, full, fill_for(full)) == 2  # the pool now holds slots of a full chunk
+    used = server.store.l1.usage().used_bytes
+    short = tokens(91_000, 5)  # one object of 5 tokens, into a slot made for 16
+    assert cache.store(NS, short, fill_for(short)) == 1
+    assert client.stats.reserved_ahead >= 1
+    with cache.retrieve(NS, short) as r:
+        assert r.num_tokens == 5 and retrieved_is_exact(r, short)
+    pages = lambda n: 4096 * -(-(80 + n * NS.layout.bytes_per_token) // 4096)  # noqa: E731
+    assert server.store.l1.usage().used_bytes == used - pages(16) + pages(5)  # the slot shrank to its object
     client.close()
