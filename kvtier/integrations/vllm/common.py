@@ -305,6 +305,7 @@ class LoadJob:
     start: int
     end: int
     block_ids: list[list[int]]
+    tiers: list[str] = field(default_factory=list)  # the tier of each chunk of the hit, from token 0
 
 
 @dataclass
@@ -328,21 +329,40 @@ class SaveJob:
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    #: a step that prefills: the scheduler times it until the workers report it (load_costs.py)
+    timed_step: int = 0
 
 
 # -- worker -> scheduler, every step --------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LoadSample:
+    """One load job's retrieves from one tier, timed in a worker (load_costs.py)."""
+
+    tier: str
+    tokens: int
+    bytes: int
+    seconds: float
+
+
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     """Save jobs that ended (stored, skipped or failed) on this worker since its last report;
-    the scheduler counts a job done when every worker has reported it."""
+    the scheduler counts a job done when every worker has reported it. And the figures of
+    load_costs.py: the step timed (with the seconds its loads took on the engine's path there)
+    and each load's retrieves by tier."""
 
     finished_saves: dict[int, int] = field(default_factory=dict)  # job id -> workers that finished it
+    timed_step: int = 0
+    step_load_s: float = 0.0
+    load_samples: list[LoadSample] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata)
         merged = dict(self.finished_saves)
         for job_id, count in other.finished_saves.items():
             merged[job_id] = merged.get(job_id, 0) + count
-        return KvtierWorkerMetadata(merged)
+        # TP ranks run a step together: the slowest one's loads, each rank's samples
+        return KvtierWorkerMetadata(merged, max(self.timed_step, other.timed_step),
+                                    max(self.step_load_s, other.step_load_s), self.load_samples + other.load_samples)

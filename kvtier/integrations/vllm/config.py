@@ -57,6 +57,13 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     turn of a conversation (history + answer + new question) hits through the answer: ``chat``
     for requests of vLLM's chat API (their ids start with ``chatcmpl-``), ``always``, ``never``.
     vLLM keeps the request's blocks until the worker has copied them out (one step)."""
+    load_or_recompute: bool = True
+    """Load a hit's chunks from a tier only where that is faster than computing them, from the
+    connector's own measurements of each tier's reads and of vLLM's prefill (docs/policies.md);
+    off: every hit is loaded."""
+    load_probe_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+    """With ``load_or_recompute``: a tier skipped for being slow is read again (one chunk) when
+    its last measurement is older than this, so that a tier that became fast is used again."""
     save_buffer_gb: Annotated[float, msgspec.Meta(gt=0, le=1024)] = 0.5
     """Staging memory per worker for KV on its way to the cache (preallocated); a save that does
     not fit is dropped (counted), never waited for."""

@@ -53,6 +53,11 @@ class Figure:
 FIGURES = (
     Figure("hit_tokens", "hits_by_tier", "Prompt tokens vLLM loaded from kvtier instead of computing them,"
            " by the kvtier tier that held them", per_tier=True),
+    Figure("recomputed_tokens", "recomputed_by_tier", "Prompt tokens kvtier held but vLLM computed, loading them"
+           " being slower by the connector's measurements (load_or_recompute), by the tier that held them", per_tier=True),
+    Figure("recomputed_chunks", "recomputed_chunks_by_tier", "Chunks kvtier held but vLLM computed, loading them being"
+           " slower (load_or_recompute), by the tier that held them", per_tier=True),
+    Figure("load_probes", "load_probes", "Loads from a tier skipped for being slow, to measure it again (load_probe_s)"),
     Figure("lookups", "lookups", "Prompt lookups kvtier answered"),
     Figure("lookup_seconds", "lookup_s", "Time the scheduler spent on kvtier lookups"),
     Figure("deferred_lookups", "deferred", "Lookups answered 'not yet': the prompt's next chunk was being saved"),

@@ -65,6 +65,7 @@ from kvtier.integrations.vllm.block_records import PUBLISHED_KINDS, block_record
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.hits import best_end, group_save_spans, hit_spans, load_spans
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
+from kvtier.integrations.vllm.load_costs import LoadOrRecompute
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
+#: Half-life of the load-or-recompute measurements' weight (load_costs.py).
+COST_HALF_LIFE_S = 60.0
 #: Least time between two lookups of a request that waits (vLLM asks every millisecond or so).
 WAIT_POLL_S = 0.005
 
@@ -125,6 +128,10 @@ class SchedulerStats:
     history_tokens: int = 0  # generated tokens (and prompt tail) planned for storing at a request's end
     lookup_s: float = 0.0
     hits_by_tier: Counter = field(default_factory=Counter)  # loaded tokens by the tier that held them
+    # hit tokens and chunks computed instead, loading them being slower (load_costs.py), by tier
+    recomputed_by_tier: Counter = field(default_factory=Counter)
+    recomputed_chunks_by_tier: Counter = field(default_factory=Counter)
+    load_probes: int = 0  # loads from a skipped tier to measure it again
 
     def as_dict(self) -> dict:
         return {name: dict(value) if isinstance(value, Counter) else value for name, value in vars(self).items()}
@@ -161,6 +168,10 @@ class KvtierScheduler:
         self._in_flight_s = 2 * config.timeout_s + 1.0
         self._chunk_warned = False
         self._load_async = len(engine.groups) > 1
+        self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
+        self._next_step = 0
+        self._timed_steps: dict[int, tuple[float, int, int]] = {}  # step -> (built at, tokens, position sum)
+        self._skipped_tiers: set[str] = set()  # tiers the last decision skipped (for the log)
 
     # -- chunk size ----------------------------------------------------------------------------
 
@@ -224,11 +235,28 @@ class KvtierScheduler:
         self.stats.hit_tokens += hit
         if self.engine.whole_prompt_loads and min(hit, len(prompt) - 1) < len(prompt) - 1:
             hit = 0  # this engine cannot prefill the rest after loaded context (EngineLayout)
+        stored, hit = hit, self._worth_loading(tiers, chunk, num_computed_tokens, hit)
         load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, stored, spans)
         # vLLM can take back a failed load of a model with several groups only as a whole
         # request, and only on its asynchronous load path (see worker.py)
         return load, load > 0 and self._load_async
+
+    def _worth_loading(self, tiers: list[str], chunk: int, start: int, hit: int) -> int:
+        """Where to cut the hit: past it, computing is faster than loading (load_costs.py)."""
+        if self.costs is None or hit <= start:
+            return hit
+        cuttable = all(g.retention == "all" for g in self.engine.groups) and not self.engine.whole_prompt_loads
+        cut = self.costs.cut(tiers, chunk, start, hit, time.monotonic(), cuttable)
+        self.stats.recomputed_by_tier.update(cut.skipped_tokens)
+        self.stats.recomputed_chunks_by_tier.update(cut.skipped_chunks)
+        self.stats.load_probes += cut.probes
+        skipped = set(cut.skipped_tokens)
+        for tier in skipped ^ self._skipped_tiers & set(tiers):
+            log.info("kvtier: %s tier %s: %s", "skipping" if tier in skipped else "loading from", tier,
+                     self.costs.figures()["tiers"].get(tier))
+        self._skipped_tiers = (self._skipped_tiers - set(tiers)) | skipped
+        return cut.end
 
     def _request_keys(self, req_id: ReqId, scope: RequestScope, prompt, chunk: int) -> list[list[PrefixKeys]]:
         """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
@@ -356,12 +384,12 @@ class KvtierScheduler:
             [load_spans(group, group_spans, start, end) for group, group_spans in zip(self.engine.groups, rank_spans)]
             for rank_spans in known.spans
         ]
-        self._loads.append(LoadJob(request.request_id, scope, spans, start, end, block_ids))
+        self._loads.append(LoadJob(request.request_id, scope, spans, start, end, block_ids, known.tiers))
         self.stats.load_tokens += num_external_tokens
         self.stats.hits_by_tier.update(tokens_by_tier(known.tiers, self.chunk_size() or self.block_size, start, end))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierConnectorMetadata:
-        meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history)
+        meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history, timed_step=self._time_step(scheduler_output))
         self._loads, self._history = [], []
         if not self.config.save or not self._requests:
             return meta
@@ -418,11 +446,47 @@ class KvtierScheduler:
         self.stats.save_jobs += 1
         return job
 
+    def _time_step(self, scheduler_output: "SchedulerOutput") -> int:
+        """A step id for the workers to report back if the step prefills (load_costs.py), else 0."""
+        if self.costs is None:
+            return 0
+        scheduled = scheduler_output.num_scheduled_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        starts = itertools.chain(((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs),
+                                 zip(cached.req_ids, cached.num_computed_tokens))
+        tokens = position_sum = 0
+        prefills = False
+        for req_id, start in starts:
+            n = scheduled.get(req_id, 0)
+            tokens += n
+            position_sum += n * start + n * (n - 1) // 2
+            prefills |= n > 1
+        if not prefills:
+            return 0
+        if len(self._timed_steps) > 64:  # reports lost (a worker that failed): forget the oldest
+            self._timed_steps.pop(next(iter(self._timed_steps)))
+        step = self._next_step = self._next_step + 1
+        self._timed_steps[step] = (time.perf_counter(), tokens, position_sum)
+        return step
+
+    def _observe(self, worker_meta: KvtierWorkerMetadata) -> None:
+        """The workers' figures for load_costs.py: the timed step's wall time (its loads taken
+        out) and each load's retrieves."""
+        now = time.monotonic()
+        for sample in worker_meta.load_samples:
+            self.costs.observe_load(sample, now)
+        timed = self._timed_steps.pop(worker_meta.timed_step, None)
+        if timed is not None:
+            built, tokens, position_sum = timed
+            self.costs.observe_step(tokens, position_sum, time.perf_counter() - built - worker_meta.step_load_s, now)
+
     # -- completions -----------------------------------------------------------------------------
 
     def update_connector_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, KvtierWorkerMetadata):
             return
+        if self.costs is not None:
+            self._observe(worker_meta)
         for job_id, count in worker_meta.finished_saves.items():
             self._job_reports[job_id] += count
             if self._job_reports[job_id] >= self.engine.tp_size:
@@ -478,11 +542,13 @@ class KvtierScheduler:
         return True
 
     def figures(self) -> dict:
-        return totals(self.stats.as_dict())
+        """The running totals, and the load-or-recompute estimates (not counters: not in /metrics)."""
+        figures = totals(self.stats.as_dict())
+        return {**figures, "load_costs": self.costs.figures()} if self.costs is not None else figures
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The step's figures for vLLM's metrics."""
-        return self._interval.take(self.figures())
+        return self._interval.take(totals(self.stats.as_dict()))
 
     def shutdown(self) -> None:
         close_cache(self.cache)

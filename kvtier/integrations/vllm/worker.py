@@ -20,6 +20,7 @@ storage; vLLM's blocks are not read after the step that computed them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvtier.cache import Retrieval
 from kvtier.integrations.vllm.blocks import PagedKV
 from kvtier.integrations.vllm.common import (
     NULL_BLOCK,
@@ -36,6 +38,7 @@ from kvtier.integrations.vllm.common import (
     KvtierConnectorMetadata,
     KvtierWorkerMetadata,
     LoadJob,
+    LoadSample,
     NamespaceCache,
 )
 from kvtier.integrations.vllm.config import ConnectorConfig
@@ -82,6 +85,10 @@ class KvtierWorker:
         self._finished_requests: set[str] = set()
         self._released: set[str] = set()
         self._failed_requests: set[str] = set()
+        # for the scheduler's load-or-recompute estimates (load_costs.py): this step's figures
+        self._timed_step = 0
+        self._step_load_s = 0.0
+        self._load_samples: list[LoadSample] = []
         self._saver: Saver | None = None
         # its own key store, so a load never queues behind a save on one server socket
         self._saves = open_cache(config) if config.save else None
@@ -107,12 +114,15 @@ class KvtierWorker:
     # -- loads ---------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: KvtierConnectorMetadata) -> None:
+        self._timed_step = metadata.timed_step
         if not metadata.loads or self.pages is None:
             return
+        started = time.perf_counter()
         for job in metadata.loads:
             self._load(job)
         for group_pages in self.pages:
             group_pages.synchronize()
+        self._step_load_s = time.perf_counter() - started
 
     def _load(self, job: LoadJob) -> None:
         """Load every group of the job. A model with one group takes back what was not loaded
@@ -122,12 +132,13 @@ class KvtierWorker:
         bs = self.block_size
         spaces = self.namespaces.get(self.tp_rank, job.scope)
         loaded = [job.start] * len(self.engine.groups)
+        by_tier: dict[str, list[float]] = {}  # tier -> [tokens, bytes, seconds] of its retrieves, all groups
         for g, group in enumerate(self.engine.groups):
             spans = job.spans[self.tp_rank][g]
             retrieval = None
             try:
                 asked = time.perf_counter()
-                retrieval = self._loads.retrieve_spans(spaces[g], spans)
+                retrieval = self._retrieve_by_tier(spaces[g], spans, job, by_tier)
                 self.stats.retrieve_s += time.perf_counter() - asked
                 loaded[g] = self._scatter(group, self.pages[g], job.start, job.end, job.block_ids[g], retrieval)
                 self.pages[g].synchronize()  # before the objects are released
@@ -151,9 +162,37 @@ class KvtierWorker:
             )
         if len(self.engine.groups) > 1:
             self._finished_requests.add(job.req_id)
+        self._load_samples += [LoadSample(tier, int(t), int(b), s) for tier, (t, b, s) in by_tier.items()]
         self.stats.loads += 1
         self.stats.loaded_tokens += done - job.start
         self.stats.load_s += time.perf_counter() - started
+
+    def _retrieve_by_tier(self, namespace, spans, job: LoadJob, by_tier: dict[str, list[float]]) -> Retrieval:
+        """The job's objects of one group, one retrieve per run of chunks a tier holds, each timed
+        for load_costs.py; stops at the first run that comes back short."""
+        chunk = self._loads.chunk_size or 1
+        runs = itertools.groupby(spans, key=lambda s: job.tiers[s.start // chunk] if s.start // chunk < len(job.tiers) else "")
+        retrievals = []
+        try:
+            for tier, run in runs:
+                run = list(run)
+                asked = time.perf_counter()
+                retrievals.append(self._loads.retrieve_spans(namespace, run))
+                figures = by_tier.setdefault(tier, [0, 0, 0.0])
+                got = retrievals[-1].chunks
+                tokens = sum(max(c.span.end, job.start) - max(c.span.start, job.start) for c in got)
+                figures[0] = max(figures[0], tokens)  # groups load the same tokens
+                figures[1] += sum(len(c.payload) for c in got)
+                figures[2] += time.perf_counter() - asked
+                if len(got) < len(run):
+                    break
+        except BaseException:
+            for retrieval in retrievals:
+                self._release(retrieval)
+            raise
+        if len(retrievals) == 1:
+            return retrievals[0]
+        return Retrieval([c for r in retrievals for c in r.chunks], lambda: [r.close() for r in retrievals])
 
     def _scatter(self, group: GroupLayout, pages_: PagedKV, start: int, end: int, ids: list[int], retrieval) -> int:
         """Copy the retrieved objects' blocks that fall in the job's range into vLLM's blocks of
@@ -215,10 +254,10 @@ class KvtierWorker:
         return released
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
-        if self._saver is None:
-            return None
-        jobs = self._saver.take_finished_jobs()
-        return KvtierWorkerMetadata({job_id: 1 for job_id in jobs}) if jobs else None
+        jobs = self._saver.take_finished_jobs() if self._saver is not None else []
+        meta = KvtierWorkerMetadata({job_id: 1 for job_id in jobs}, self._timed_step, self._step_load_s, self._load_samples)
+        self._timed_step, self._step_load_s, self._load_samples = 0, 0.0, []
+        return meta if jobs or meta.timed_step or meta.load_samples else None
 
     def figures(self) -> dict:
         return totals(dataclasses.asdict(self.stats))
