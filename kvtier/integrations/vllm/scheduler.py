@@ -24,6 +24,12 @@ asks again next step, in two cases:
   ``kvtier_prefilled_tokens``) and its KV has not reached the cache yet: it waits up to
   ``prefill_wait_s``, then what is missing is computed here (``prefill_wait_timeouts``).
 
+Load or recompute (``load_or_recompute``, load_costs.py): the hit is cut where computing the
+rest is faster than loading it from the tiers that hold it (a slow remote tier is skipped; what
+is computed past the cut is stored again, into L1). The estimates come back from the workers:
+each load's retrieves by tier, and the steps that prefill, which the metadata names
+(``timed_step``) and the scheduler times from ``build_connector_meta`` to the step's output.
+
 History (``save_history``): when a request finishes, the whole blocks of its prompt and answer
 that are computed (all but the last generated token) and not stored yet are saved, so the next turn
 of a conversation, whose prompt is this history plus a new question, hits through the answer.
@@ -235,9 +241,10 @@ class KvtierScheduler:
         self.stats.hit_tokens += hit
         if self.engine.whole_prompt_loads and min(hit, len(prompt) - 1) < len(prompt) - 1:
             hit = 0  # this engine cannot prefill the rest after loaded context (EngineLayout)
-        stored, hit = hit, self._worth_loading(tiers, chunk, num_computed_tokens, hit)
+        # past the cut the hit is computed, and stored again: into L1, where the next hit is fast
+        hit = self._worth_loading(tiers, chunk, num_computed_tokens, hit)
         load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, stored, spans)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans)
         # vLLM can take back a failed load of a model with several groups only as a whole
         # request, and only on its asynchronous load path (see worker.py)
         return load, load > 0 and self._load_async
