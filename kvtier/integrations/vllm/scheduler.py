@@ -259,7 +259,7 @@ class KvtierScheduler:
         self.stats.recomputed_chunks_by_tier.update(cut.skipped_chunks)
         self.stats.load_probes += cut.probes
         skipped = set(cut.skipped_tokens)
-        for tier in skipped ^ self._skipped_tiers & set(tiers):
+        for tier in skipped ^ (self._skipped_tiers & set(tiers)):  # started or stopped being skipped
             log.info("kvtier: %s tier %s: %s", "skipping" if tier in skipped else "loading from", tier,
                      self.costs.figures()["tiers"].get(tier))
         self._skipped_tiers = (self._skipped_tiers - set(tiers)) | skipped
