@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-transformers test bench lock wheel-smoke venv clean
+.PHONY: demo demo-transformers test bench bench-slow-remote lock wheel-smoke venv clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,10 @@ wheel-smoke:
 
 bench: $(STAMP)
 	$(PY) bench/tiers.py --quick
+
+# load or recompute against a throttled Redis tier (docs/policies.md); needs a Redis-compatible server
+bench-slow-remote: $(STAMP)
+	$(PY) bench/vllm_ttft.py --scenario slow-remote --quick --check
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis
