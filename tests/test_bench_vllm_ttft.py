@@ -17,22 +17,22 @@ def _out(token: int, logprob: float) -> dict:
 
 def test_dense_cap_is_a_third_of_the_contexts():
     # 6 contexts of 4096 tokens, 32 blocks each: a third is 64 blocks, above one request's 34
-    assert ttft._vllm_cache_blocks("llama", 6, 4096, 4256, 4256) == 64
-    assert ttft._vllm_cache_blocks("llama", 1, 4096, 4256, 4256) == 34 + 2  # one request must fit
+    assert ttft._vllm_cache_blocks("llama", 6, 4096, 4256, 4256) == (64, 6 * 32, 34)
+    assert ttft._vllm_cache_blocks("llama", 1, 4096, 4256, 4256)[0] == 34 + 2  # one request must fit
 
 
 def test_sliding_cap_is_below_the_windows_of_all_contexts():
     # a sliding-window hit needs only its window's blocks (256 / 128 + 1): vLLM alone would keep every
     # context's window in a cache sized like the dense one
     windows = 6 * (256 // 128 + 1)
-    cap = ttft._vllm_cache_blocks("sliding", 6, 4096, 4256, ttft.WINDOW_PREFILL_CHUNK)
-    assert cap < windows
-    assert cap >= 256 // 128 + ttft.WINDOW_PREFILL_CHUNK // 128 + 1  # one request still runs in it
+    cap, working_set, request = ttft._vllm_cache_blocks("sliding", 6, 4096, 4256, ttft.WINDOW_PREFILL_CHUNK)
+    assert cap < working_set == windows  # what the bench prints as how vLLM's cache was capped
+    assert cap >= request == 256 // 128 + ttft.WINDOW_PREFILL_CHUNK // 128 + 1  # one request still runs in it
 
 
 def test_hybrid_cap_counts_every_group():
-    full_only = ttft._vllm_cache_blocks("llama", 6, 4096, 4384, 4384)
-    gdn = ttft._vllm_cache_blocks("hybrid_gdn", 6, 4096, 4384, 4384)
+    full_only = ttft._vllm_cache_blocks("llama", 6, 4096, 4384, 4384)[0]
+    gdn = ttft._vllm_cache_blocks("hybrid_gdn", 6, 4096, 4384, 4384)[0]
     assert gdn == max(6 * (4096 // 256 + 1) // 3, 3 + 4384 // 256 + 1 + 2)
     assert gdn < full_only  # blocks of 256 tokens
 

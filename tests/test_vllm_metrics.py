@@ -133,8 +133,8 @@ class Figures:
     def total(self, name: str) -> float:
         return sum(value for figure, _, value in self.samples if figure == name)
 
-    def by_tier(self, name: str) -> dict[str, float]:
-        return {labels["tier"]: value for figure, labels, value in self.samples if figure == name}
+    def by_tier(self, name: str, label: str = "tier") -> dict[str, float]:
+        return {labels[label]: value for figure, labels, value in self.samples if figure == name}
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +208,7 @@ def test_vllm_metrics_and_log_show_kvtier_hits_per_tier_bytes_and_drops(stack, t
     # the cold prompt's four chunks and its tail (one page), maybe the warm one's tail too
     assert warm.total("save_bytes") in ((len(DOC) + BLOCK) * per_token, (len(DOC) + 2 * BLOCK) * per_token)
     assert warm.total("save_bytes") % page == 0
+    assert warm.by_tier("group_save_bytes", "group") == {"0": warm.total("save_bytes")}  # one group
     assert warm.total("save_seconds") > 0 and warm.total("stage_seconds") > 0
     assert warm.total("dropped_saves") == 0 and warm.total("failed_saves") == 0
 

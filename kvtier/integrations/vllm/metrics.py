@@ -36,27 +36,30 @@ if TYPE_CHECKING:
 PREFIX = "vllm:kvtier_"
 #: The label of figures counted per tier: the tier's id as kvtier reports it.
 TIER_LABEL = "tier"
+#: The label of figures counted per KV-cache group: vLLM's index of the group.
+GROUP_LABEL = "group"
 
 
 @dataclass(frozen=True)
 class Figure:
     """One counter: its metric name (after ``PREFIX``), the connector stats field it comes from,
-    and whether it is counted per tier (the field is then a mapping tier id -> value)."""
+    and the label it is counted by, if any (``TIER_LABEL``, ``GROUP_LABEL``: the field is then a
+    mapping label value -> value)."""
 
     name: str
     field: str
     documentation: str
-    per_tier: bool = False
+    label: str | None = None
 
 
 #: Every figure the connector exports, scheduler side first.
 FIGURES = (
     Figure("hit_tokens", "hits_by_tier", "Prompt tokens vLLM loaded from kvtier instead of computing them,"
-           " by the kvtier tier that held them", per_tier=True),
+           " by the kvtier tier that held them", label=TIER_LABEL),
     Figure("recomputed_tokens", "recomputed_by_tier", "Prompt tokens kvtier held but vLLM computed, loading them"
-           " being slower by the connector's measurements (load_or_recompute), by the tier that held them", per_tier=True),
+           " being slower by the connector's measurements (load_or_recompute), by the tier that held them", label=TIER_LABEL),
     Figure("recomputed_chunks", "recomputed_chunks_by_tier", "Chunks kvtier held but vLLM computed, loading them being"
-           " slower (load_or_recompute), by the tier that held them", per_tier=True),
+           " slower (load_or_recompute), by the tier that held them", label=TIER_LABEL),
     Figure("load_probes", "load_probes", "Loads from a tier skipped for being slow, to measure it again (load_probe_s)"),
     Figure("lookups", "lookups", "Prompt lookups kvtier answered"),
     Figure("lookup_seconds", "lookup_s", "Time the scheduler spent on kvtier lookups"),
@@ -75,6 +78,8 @@ FIGURES = (
     Figure("retrieve_seconds", "retrieve_s", "Part of the load time spent getting the chunks from kvtier"),
     Figure("saves", "saves", "Save jobs stored by the workers' saver threads"),
     Figure("save_bytes", "save_bytes", "KV bytes written into kvtier by saves (whole pages)"),
+    Figure("group_save_bytes", "save_bytes_by_group", "KV bytes written into kvtier by saves, by KV-cache group"
+           " (what each kind of attention or state costs)", label=GROUP_LABEL),
     Figure("save_seconds", "save_s", "Time saves took in the saver threads, off the engine's path"),
     Figure("stage_seconds", "stage_s", "Time saves took on the engine's path (copying out of vLLM's blocks)"),
     Figure("dropped_saves", "dropped_saves",
@@ -87,8 +92,8 @@ FIGURES = (
 
 @dataclass
 class KvtierStats(KVConnectorStats):
-    """The figures of one interval, keyed by ``Figure.name``: a number, or a mapping tier id ->
-    number for per-tier figures. Only figures that changed are present."""
+    """The figures of one interval, keyed by ``Figure.name``: a number, or a mapping label value
+    (tier id, group) -> number for figures counted by a label. Only figures that changed are present."""
 
     def reset(self) -> None:
         self.data = {}
@@ -104,7 +109,7 @@ class KvtierStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """One ``name=value`` per figure for vLLM's log line; per-tier ones as ``name[tier]``."""
+        """One ``name=value`` per figure for vLLM's log line; labelled ones as ``name[tier]``."""
         out: dict[str, int | float] = {}
         for figure in FIGURES:
             value = self.data.get(figure.name)
@@ -128,7 +133,7 @@ def totals(counters: Mapping[str, Any]) -> dict[str, Any]:
     for figure in FIGURES:
         if figure.field in counters:  # else the other side's figure
             value = counters[figure.field]
-            out[figure.name] = {str(tier): amount for tier, amount in value.items()} if figure.per_tier else value
+            out[figure.name] = {str(tier): amount for tier, amount in value.items()} if figure.label else value
     return out
 
 
@@ -156,7 +161,8 @@ class Interval:
 
 class KvtierPromMetrics(KVConnectorPromMetrics):
     """One vLLM counter per figure, labelled as vLLM's own (model name, engine), plus ``tier``
-    for per-tier figures. Counters without a tier exist from the start, at zero."""
+    or ``group`` for figures counted by one. Counters without such a label exist from the start,
+    at zero."""
 
     def __init__(
         self,
@@ -170,12 +176,12 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             figure.name: self._counter_cls(
                 name=PREFIX + figure.name,
                 documentation=figure.documentation,
-                labelnames=labelnames + ([TIER_LABEL] if figure.per_tier else []),
+                labelnames=labelnames + ([figure.label] if figure.label else []),
             )
             for figure in FIGURES
         }
         for figure in FIGURES:
-            if not figure.per_tier:
+            if not figure.label:
                 for labelvalues in per_engine_labelvalues.values():
                     self._counters[figure.name].labels(*labelvalues)
 
@@ -186,8 +192,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             if counter is None:
                 continue  # a figure of another kvtier version: nothing to show it in
             if isinstance(value, Mapping):
-                for tier, amount in value.items():
-                    counter.labels(*engine, tier).inc(amount)
+                for label, amount in value.items():
+                    counter.labels(*engine, label).inc(amount)
             else:
                 counter.labels(*engine).inc(value)
 

@@ -185,14 +185,13 @@ class Saver:
         for fence in staged.fences:  # the pages are in the ring (waited here, not on the engine's thread)
             fence.synchronize()
         spaces = worker.namespaces.get(worker.tp_rank, job.scope)
-        written, stored = 0, 0
+        written, stored = [0] * len(staged.spans), 0  # bytes by group
         for g, spans in enumerate(staged.spans):
 
             def fill(span: ChunkSpan, dest: memoryview, g: int = g) -> None:
-                nonlocal written
                 offset, size = staged.offsets[(g, span.key)]
                 dest[:size] = self.ring.view(offset, size)
-                written += size
+                written[g] += size
 
             records = job.records[g] if job.records else {}
             stored += self.cache.store_spans(spaces[g], spans, fill, [records.get((s.start, s.end), b"") for s in spans]) if spans else 0
@@ -201,7 +200,10 @@ class Saver:
             return
         worker.stats.saves += 1
         worker.stats.saved_chunks += stored
-        worker.stats.save_bytes += written if stored else 0
+        if stored:
+            worker.stats.save_bytes += sum(written)
+            for g, size in enumerate(written):
+                worker.stats.save_bytes_by_group[g] = worker.stats.save_bytes_by_group.get(g, 0) + size
         worker.stats.save_s += time.perf_counter() - started
 
     def wait_idle(self, timeout: float) -> bool:

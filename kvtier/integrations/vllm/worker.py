@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ class WorkerStats:
     saves: int = 0
     saved_chunks: int = 0
     save_bytes: int = 0
+    save_bytes_by_group: dict[int, int] = field(default_factory=dict)  # vLLM's group index -> bytes
     dropped_saves: int = 0
     unsaved_objects: int = 0  # objects a save left out: vLLM no longer kept a block they need
     failed_saves: int = 0
