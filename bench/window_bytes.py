@@ -86,7 +86,7 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="4112,4112,4112,1000,2500,740",
-                        help="prompt lengths in tokens (default: the TTFT bench's pass-1 prompts and a few others)")
+                        help="prompt lengths in tokens (default: three of the TTFT bench's length, and three others)")
     parser.add_argument("--chunk-sizes", default="256,1024", help="kvtier chunk sizes (default: %(default)s; 256 is kvtier's)")
     parser.add_argument("--block-sizes", default="128,16", help="vLLM block sizes (default: CPU 128, CUDA 16)")
     add_check_flag(parser)
