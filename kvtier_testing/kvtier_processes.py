@@ -15,12 +15,15 @@ from kvtier_testing.services import free_port
 
 
 class ServerProcess:
-    def __init__(self, workdir: Path, *flags: str, l1_gb: float = 0.05, chunk_size: int = 16) -> None:
+    def __init__(self, workdir: Path, *flags: str, l1_gb: float = 0.05, chunk_size: int = 16,
+                 module: tuple[str, ...] = ("kvtier.cli",)) -> None:
+        """``module``: what ``python -m`` runs, with its arguments before ``server`` (a test's
+        variant of the server, such as ``kvtier_testing.dying_server``)."""
         self.port = free_port()
         self.http_port = free_port()
         self.workdir = workdir
         self.args = [
-            sys.executable, "-m", "kvtier.cli", "server",
+            sys.executable, "-m", *module, "server",
             "--port", str(self.port), "--http-port", str(self.http_port),
             "--l1-size-gb", str(l1_gb), "--chunk-size", str(chunk_size), *flags,
         ]

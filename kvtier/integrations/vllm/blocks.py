@@ -28,6 +28,7 @@ tensors (``device_copy.py``).
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from dataclasses import dataclass
@@ -216,30 +217,32 @@ class PagedKV:
             offset += size
         return segments
 
-    def _host_pairs(self, segments):
-        """(vLLM's pages, payload) array pairs for the host copies, and the index that precedes
-        the block axis in both."""
+    def _host_pairs(self, segments, slots: slice = slice(None)):
+        """(vLLM's pages, payload) array pairs for the host copies of ``slots`` (``segments``
+        holds those slots only), and the index that precedes the block axis in both."""
         if self._host_pages is not None:
-            return [(self._host_pages, segments)], (slice(None),)
-        return list(zip(self._host, segments)), ()
+            return [(self._host_pages[slots], segments)], (slice(None),)
+        return list(zip(self._host[slots], segments)), ()
 
-    def scatter(self, payload, num_blocks: int, first: int, block_ids: Sequence[int]) -> None:
+    def scatter(self, payload, num_blocks: int, first: int, block_ids: Sequence[int], slots: slice = slice(None)) -> None:
         """Blocks ``first..first+len(block_ids)`` of a payload (bytes-like of ``num_blocks``
-        blocks) into vLLM's blocks ``block_ids``."""
+        blocks) into vLLM's blocks ``block_ids``; only the ``slots`` given (default all: a
+        layer-by-layer load copies one attention layer's slot at a time)."""
         n = len(block_ids)
         if not n:
             return
-        segments = self._segments(payload, num_blocks)
+        segments = self._segments(payload, num_blocks)[slots]
         if self._device is not None:
             with self._device.copying(payload) as copies:
                 index = copies.index(block_ids)
                 if self.pages is not None:
-                    _wide(self.pages).index_copy_(1, index, _as(copies.to_device(torch.from_numpy(segments[:, first : first + n])), self.pages))
+                    pages = self.pages[slots]
+                    _wide(pages).index_copy_(1, index, _as(copies.to_device(torch.from_numpy(segments[:, first : first + n])), pages))
                 else:
-                    for dst, src in zip(self.slots, segments):
+                    for dst, src in zip(self.slots[slots], segments):
                         _wide(dst).index_copy_(0, index, _as(copies.to_device(torch.from_numpy(src[first : first + n])), dst))
             return
-        pairs, lead = self._host_pairs(segments)
+        pairs, lead = self._host_pairs(segments, slots)
         for pos, block, length in _runs(block_ids):
             for dst, src in pairs:
                 dst[(*lead, slice(block, block + length))] = src[(*lead, slice(first + pos, first + pos + length))]
@@ -262,6 +265,15 @@ class PagedKV:
         for pos, block, length in _runs(block_ids):
             for src, out in pairs:
                 out[(*lead, slice(pos, pos + length))] = src[(*lead, slice(block, block + length))]
+
+    def twin(self) -> "PagedKV":
+        """The same views with copies of their own (on CUDA their own stream and event): for
+        another thread that copies while this object's thread does too. Built on the engine's
+        thread (its copies wait for the engine's stream)."""
+        twin = copy.copy(self)
+        if self._device is not None:
+            twin._device = DeviceCopies(self.device, self._device.pins)
+        return twin
 
     def fence(self):
         """What another thread waits on (``.synchronize()``) for the copies queued so far to

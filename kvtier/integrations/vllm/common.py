@@ -297,7 +297,9 @@ class LoadJob:
     """Copy the cached KV of tokens [start, end) into each group's ``block_ids`` (one per block
     of the range) before the forward pass, from the objects ``spans[rank][group]``: for full
     attention, consecutive chunks covering the range; for a window, those whose window reaches
-    into it; for recurrent state, the one ending at ``end``."""
+    into it; for recurrent state, the one ending at ``end``. An ``asynchronous`` job runs on a
+    worker thread while the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS``; the others run
+    in the step, before its forward pass."""
 
     req_id: ReqId
     scope: RequestScope
@@ -306,6 +308,7 @@ class LoadJob:
     end: int
     block_ids: list[list[int]]
     tiers: list[str] = field(default_factory=list)  # the tier of each chunk of the hit, from token 0
+    asynchronous: bool = False
 
 
 @dataclass
@@ -331,6 +334,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
     #: a step that prefills: the scheduler times it until the workers report it (load_costs.py)
     timed_step: int = 0
+    #: vLLM scheduled no token this step (requests wait for their loads, at most): the worker
+    #: may wait a moment for a load to finish instead of letting vLLM spin (loader.py)
+    idle: bool = False
 
 
 # -- worker -> scheduler, every step --------------------------------------------------------------

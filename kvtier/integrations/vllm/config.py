@@ -23,6 +23,8 @@ from kvtier.schema import PositiveSeconds, convert_options, options
 from kvtier.tiers.memory import L1Config
 
 PREFIX = "kvtier."
+#: Where an asynchronous load starts to pay (measured in docs/vllm.md, "Asynchronous loads")
+ASYNC_LOAD_MIN_TOKENS = 16384
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 
@@ -64,6 +66,16 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     load_probe_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     """With ``load_or_recompute``: a tier skipped for being slow is read again (one chunk) when
     its last measurement is older than this, so that a tier that became fast is used again."""
+    async_load_min_tokens: Annotated[int, msgspec.Meta(ge=0)] = ASYNC_LOAD_MIN_TOKENS
+    """Loads of at least this many tokens run on a worker thread while vLLM keeps stepping the
+    other requests (the request waits for its KV in ``WAITING_FOR_REMOTE_KVS``); shorter ones are
+    copied in the step that needs them, before the forward pass, which costs the engine less
+    than the step a waiting request loses (docs/vllm.md has the measurement). ``0``: every load
+    asynchronous. Models with several KV-cache groups always load asynchronously."""
+    layerwise_load: bool = False
+    """Copy a synchronous load into vLLM's blocks layer by layer on a copy thread, each layer
+    waited for just before its attention runs (``wait_for_layer_load``), so that later layers'
+    copies overlap earlier layers' compute. Off by default: on CPU it does not pay (docs/vllm.md)."""
     save_buffer_gb: Annotated[float, msgspec.Meta(gt=0, le=1024)] = 0.5
     """Staging memory per worker for KV on its way to the cache (preallocated); a save that does
     not fit is dropped (counted), never waited for."""

@@ -72,6 +72,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self.connector_scheduler = None
         self.connector_worker = None
+        self._invalid_blocks: set[int] = set()  # taken in get_transfer_results, handed on after it
         if role == KVConnectorRole.SCHEDULER:
             from kvtier.integrations.vllm.scheduler import KvtierScheduler
 
@@ -118,10 +119,13 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv has loaded every layer before the forward pass
+        # with kvtier.layerwise_load, the layer's pages of the step's synchronous loads
+        self.connector_worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        return  # saves copy whole blocks of every layer after the forward pass (wait_for_save)
+        # saves copy whole blocks of every layer after the forward pass (wait_for_save): on CPU
+        # a copy per layer would run on the engine's thread all the same (docs/vllm.md)
+        return
 
     def wait_for_save(self) -> None:
         metadata = self._get_connector_metadata()
@@ -129,17 +133,23 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_worker.wait_for_save(metadata)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.connector_worker.get_block_ids_with_load_errors()
+        """Blocks of single-group loads that did not arrive (vLLM recomputes from the first):
+        taken with the loads finished in ``get_transfer_results``, which vLLM calls first in
+        the same step, so an asynchronous load's blocks are never reported after it."""
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Loads of models with several KV-cache groups take vLLM's asynchronous path (the only
-        one where a failed load can be taken back, as a whole request); they ran in
-        ``start_load_kv`` and are reported here, failed ones in both sets."""
+        """Asynchronous loads that finished on the loader thread (failed ones of models with
+        several KV-cache groups in both sets: vLLM recomputes the whole request), and finished
+        requests whose history the workers have copied out."""
         if self.connector_worker is None:
             return KVConnectorTransferResults()
-        finished, failed = self.connector_worker.take_finished_loads()
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        finished, failed, invalid = self.connector_worker.take_load_results(metadata)
+        self._invalid_blocks |= invalid
         return KVConnectorTransferResults(finished_sending=self.connector_worker.take_released(),
-                                          finished_recving=finished | failed, failed_recving=failed)
+                                          finished_recving=finished, failed_recving=failed)
 
     def build_connector_worker_meta(self):
         return self.connector_worker.build_connector_worker_meta() if self.connector_worker is not None else None

@@ -133,10 +133,10 @@ class DeviceCopies:
     """The copies of one device's KV: on CUDA on a stream of their own, between page-locked host
     memory and the device, their completion an event."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pins: HostPins | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.pins = HostPins() if self.cuda else None
+        self.pins = (pins or HostPins()) if self.cuda else None  # shared by twins: a mapping is registered once
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
             self.engine_stream = torch.cuda.current_stream(device)  # built on the engine's thread

@@ -95,6 +95,7 @@ class _Lookup:
     tiers: list[str]  # tier of each hit chunk
     stored: int  # prompt tokens taken as stored already: saves start there
     spans: list[list[list[ChunkSpan]]] = field(default_factory=list)  # per TP rank and group, the objects hit
+    asynchronous: bool = False  # the load takes vLLM's asynchronous path (the answer vLLM was given)
 
 
 @dataclass
@@ -173,7 +174,6 @@ class KvtierScheduler:
         # how long an unconfirmed save may hold back lookups of its prefix
         self._in_flight_s = 2 * config.timeout_s + 1.0
         self._chunk_warned = False
-        self._load_async = len(engine.groups) > 1
         self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
         self._next_step = 0
         self._timed_steps: dict[int, tuple[float, int, int]] = {}  # step -> (built at, tokens, position sum)
@@ -212,7 +212,7 @@ class KvtierScheduler:
             return 0, False
         known = self._lookups.get(request.request_id)
         if known is not None and known.num_computed == num_computed_tokens:
-            return known.load, False
+            return known.load, known.asynchronous  # asked again (the request was not admitted last step)
         prompt = request.prompt_token_ids
         if len(prompt) - 1 <= num_computed_tokens:
             # vLLM's own cache holds the whole prompt: it was stored when it was computed
@@ -244,10 +244,16 @@ class KvtierScheduler:
         # past the cut the hit is computed, and stored again: into L1, where the next hit is fast
         hit = self._worth_loading(tiers, chunk, num_computed_tokens, hit)
         load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans)
-        # vLLM can take back a failed load of a model with several groups only as a whole
-        # request, and only on its asynchronous load path (see worker.py)
-        return load, load > 0 and self._load_async
+        asynchronous = self._loads_async(load)
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans, asynchronous)
+        return load, asynchronous
+
+    def _loads_async(self, load: int) -> bool:
+        """Whether a load of ``load`` tokens takes vLLM's asynchronous path: long loads (a worker
+        thread copies while the engine steps the other requests), and every load of a model with
+        several groups (vLLM can take back a failed load of such a model only as a whole request,
+        and only on that path; see worker.py)."""
+        return load > 0 and (len(self.engine.groups) > 1 or load >= self.config.async_load_min_tokens)
 
     def _worth_loading(self, tiers: list[str], chunk: int, start: int, hit: int) -> int:
         """Where to cut the hit: past it, computing is faster than loading (load_costs.py)."""
@@ -382,21 +388,25 @@ class KvtierScheduler:
             return
         start = known.num_computed
         end = start + num_external_tokens
-        if start % self.block_size or (end % self.block_size and end != len(prompt) - 1) or end > hit:
-            log.error("kvtier: vLLM asked for tokens [%d, %d) of a %d-token hit; not loading", start, end, hit)
-            return
         first, last = start // self.block_size, pages(end, self.block_size)
         block_ids = [list(blocks.get_block_ids()[g.index][first:last]) for g in self.engine.groups]
+        if start % self.block_size or (end % self.block_size and end != len(prompt) - 1) or end > hit:
+            log.error("kvtier: vLLM asked for tokens [%d, %d) of a %d-token hit; not loading", start, end, hit)
+            if known.asynchronous:  # the request waits for its load: an empty one fails, vLLM recomputes
+                empty = [[[] for _ in self.engine.groups] for _ in range(self.engine.tp_size)]
+                self._loads.append(LoadJob(request.request_id, scope, empty, start, end, block_ids, asynchronous=True))
+            return
         spans = [
             [load_spans(group, group_spans, start, end) for group, group_spans in zip(self.engine.groups, rank_spans)]
             for rank_spans in known.spans
         ]
-        self._loads.append(LoadJob(request.request_id, scope, spans, start, end, block_ids, known.tiers))
+        self._loads.append(LoadJob(request.request_id, scope, spans, start, end, block_ids, known.tiers, known.asynchronous))
         self.stats.load_tokens += num_external_tokens
         self.stats.hits_by_tier.update(tokens_by_tier(known.tiers, self.chunk_size() or self.block_size, start, end))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierConnectorMetadata:
-        meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history, timed_step=self._time_step(scheduler_output))
+        meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history, timed_step=self._time_step(scheduler_output),
+                                       idle=not scheduler_output.total_num_scheduled_tokens)
         self._loads, self._history = [], []
         if not self.config.save or not self._requests:
             return meta
