@@ -58,7 +58,8 @@ def open_server(workdir):
     from kvtier.server.main import KvtierServer
 
     l2 = {"type": "fs", "base_path": str(workdir / "l2"), "max_capacity_gb": 0.5}
-    config = {"store": {"l1": {"size_gb": 0.25}, "chunk_size": CHUNK, "l2_adapters": [l2]},
+    # room beyond the slots the engines' clients reserve ahead (up to 256 MiB each)
+    config = {"store": {"l1": {"size_gb": 1.0}, "chunk_size": CHUNK, "l2_adapters": [l2]},
               "port": free_port(), "http_port": free_port()}
     server = KvtierServer(convert(config, ServerConfig))
     server.start()
@@ -96,7 +97,7 @@ def engines(tiny_model_path, workdir, open_server, dying_server):
         engine.launch()
     try:
         for engine in started.values():
-            engine.wait_ready()
+            engine.wait_ready(900)  # three engines start side by side: minutes on a busy machine
         yield started
     finally:
         for engine in started.values():
