@@ -33,6 +33,9 @@ def build_store(config: StoreConfig, l1_buffer=None) -> TieredStore:
         tiers.append(config.l1.build(l1_buffer))
         for adapter, tier_id in zip(config.l2_adapters, tier_ids(config.l2_adapters)):
             tiers.append(build_tier(adapter, tier_id))
+        named = sorted({quota.tenant for quota in config.tenant_quotas})
+        for tier in tiers:
+            tier.limit_tenants([quota for quota in config.tenant_quotas if quota.tier == tier.name], named)
     except BaseException:
         for tier in tiers:  # a disk tier holds its directory's lock until closed
             tier.close()

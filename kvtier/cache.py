@@ -158,24 +158,31 @@ class TokenCache:
         fill: FillFn,
         start: int = 0,
         end: int | None = None,
+        tenant: str = "",
     ) -> int:
         """Store the chunks of ``tokens`` that end after ``start`` and no later than ``end``
         (default: all, with the last partial chunk) and are not cached yet. ``fill`` writes a
         chunk's raw KV straight into its slot. Returns the number of chunks stored."""
-        return self.store_spans(namespace, spans_within(self.spans(namespace, tokens), start, end), fill)
+        return self.store_spans(namespace, spans_within(self.spans(namespace, tokens), start, end), fill, tenant=tenant)
 
     def store_spans(
-        self, namespace: Namespace, spans: Sequence[ChunkSpan], fill: FillFn, records: Sequence[bytes] = ()
+        self,
+        namespace: Namespace,
+        spans: Sequence[ChunkSpan],
+        fill: FillFn,
+        records: Sequence[bytes] = (),
+        tenant: str = "",
     ) -> int:
         """Store these chunks (in order; those cached already are skipped): reserve, fill and
         seal, commit. ``records[i]``, if given, is the engine's block record of ``spans[i]``
-        (kvtier.events.BlockRecord). A failing ``fill`` aborts every slot of the call (nothing of
-        it becomes visible) and re-raises."""
+        (kvtier.events.BlockRecord); ``tenant`` owns the objects (their quota: tiers/tenants.py).
+        A failing ``fill`` aborts every slot of the call (nothing of it becomes visible) and
+        re-raises."""
         if not spans:
             return 0
         layout = namespace.layout
         items = [(s.key, object_size(layout.payload_bytes(s.num_tokens))) for s in spans]
-        reservations = self.key_store.reserve(items, records)
+        reservations = self.key_store.reserve(items, records, tenant)
         self.stats.failed_chunks += len(reservations) < len(spans)
         slots = [(span, r) for span, r in zip(spans, reservations) if r is not None]
         self.stats.skipped_chunks += len(reservations) - len(slots)

@@ -329,7 +329,9 @@ class KvtierClient:
                     except Unavailable:
                         self._done = []  # the server lets them expire
 
-    def reserve(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = ()) -> list[Reservation | None]:
+    def reserve(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[Reservation | None]:
         """Slots in the server's arena (one round trip) where this process maps it; otherwise
         buffers here, sent as frames by ``commit``. Nothing (a dropped store) while unreachable."""
         if not items:
@@ -342,8 +344,8 @@ class KvtierClient:
                         with self._failing_open():
                             self._ensure_connected(deadline)  # so the arena is known
                         if self._arena is not None:
-                            return self._reserve_shared(items, records, deadline)
-                    return self._reserve_frames(items, records)
+                            return self._reserve_shared(items, records, tenant, deadline)
+                    return self._reserve_frames(items, records, tenant)
                 except StaleArena:
                     if attempt == 2:
                         raise
@@ -352,15 +354,15 @@ class KvtierClient:
         return []
 
     def _reserve_shared(
-        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes], deadline: float
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes], tenant: str, deadline: float
     ) -> list[Reservation | None]:
         """Slots from the pool while it has them (no round trip); a ``Reserve`` for the rest."""
-        reservations: list[Reservation | None] = self._lend_ahead(items, records)
+        reservations: list[Reservation | None] = self._lend_ahead(items, records, tenant)
         if len(reservations) == len(items):
             return reservations
         items, records = items[len(reservations) :], records[len(reservations) :]
         keys, sizes = [key for key, _ in items], [size for _, size in items]
-        request = p.Reserve(keys=keys, sizes=sizes, arena=self._arena_id, records=list(records))
+        request = p.Reserve(keys=keys, sizes=sizes, arena=self._arena_id, records=list(records), tenant=tenant)
         try:
             reply, _ = self._call(request, deadline=deadline)
         except Unavailable:
@@ -374,10 +376,12 @@ class KvtierClient:
                 reservations.append(None)
                 continue
             view = memory[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size]
-            reservations.append(Reservation(key, view, offset, slot))  # sealed by the server if it leaves memory
+            reservations.append(Reservation(key, view, offset, slot, tenant=tenant))  # sealed by the server if it leaves memory
         return reservations
 
-    def _lend_ahead(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes]) -> list[Reservation]:
+    def _lend_ahead(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes], tenant: str
+    ) -> list[Reservation]:
         """Reservations for the first items from slots reserved ahead (a slot holds an object of
         its size or smaller), while the pool has one fresh enough."""
         now, memory, out = time.monotonic(), memoryview(self._arena.memory), []
@@ -389,7 +393,7 @@ class KvtierClient:
             ahead = self._pool.popleft()
             self._lent[ahead.slot] = ahead
             view = memory[ARENA_OFFSET + ahead.offset : ARENA_OFFSET + ahead.offset + size]
-            out.append(Reservation(key, view, ahead.offset, ahead.slot, record=records[i] if records else b""))
+            out.append(Reservation(key, view, ahead.offset, ahead.slot, record=records[i] if records else b"", tenant=tenant))
         self.stats.reserved_ahead += len(out)
         return out
 
@@ -410,7 +414,9 @@ class KvtierClient:
         self._pool = deque(a for a in self._pool if a not in small)
         self._pool.extend(_Ahead(s, o, size, use_by) for s, o, size in zip(reply.ahead_slots, reply.ahead_offsets, sizes))
 
-    def _reserve_frames(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes]) -> list[Reservation]:
+    def _reserve_frames(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes], tenant: str
+    ) -> list[Reservation]:
         """Buffers for sealed objects: the scratch buffer reused across writes where no other
         write holds it (a fresh buffer per call would cost a page fault per 4 KiB)."""
         total = sum(size for _, size in items)
@@ -423,7 +429,7 @@ class KvtierClient:
         reservations, offset = [], 0
         for i, (key, size) in enumerate(items):
             record = records[i] if records else b""
-            reservations.append(Reservation(key, buffer[offset : offset + size], checksum=True, record=record))
+            reservations.append(Reservation(key, buffer[offset : offset + size], checksum=True, record=record, tenant=tenant))
             offset += size
         return reservations
 
@@ -445,12 +451,13 @@ class KvtierClient:
                     records = [r.record for r in reservations] if any(r.record for r in reservations) else []
                     request = lambda: p.Commit(  # noqa: E731
                         slots=[r.slot for r in reservations], keys=[r.key for r in reservations], records=records,
-                        ahead=ahead, arena=self._arena_id if ahead else b"")
+                        ahead=ahead, arena=self._arena_id if ahead else b"", tenant=reservations[0].tenant)
                     reply, _ = self._call(request)
                     self._add_ahead(reply, ahead)
                 return list(reply.committed)
             records = [r.record for r in reservations] if any(r.record for r in reservations) else []
-            reply, _ = self._call(p.Put(keys=[r.key for r in reservations], records=records), [r.view for r in reservations])
+            put = p.Put(keys=[r.key for r in reservations], records=records, tenant=reservations[0].tenant)
+            reply, _ = self._call(put, [r.view for r in reservations])
             return list(reply.stored)
         except Unavailable:
             self.stats.dropped_stores += 1

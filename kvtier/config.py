@@ -12,7 +12,9 @@ import msgspec
 from kvtier.errors import ConfigError
 from kvtier.schema import PositiveSeconds, convert, json_object
 from kvtier.tiers.memory import L1Config
+from kvtier.tiers.disk import FsAdapterConfig
 from kvtier.tiers.registry import ADAPTER_TYPES, Adapter, tier_ids
+from kvtier.tiers.tenants import TenantQuota, check_quotas
 from kvtier.wire.curve import is_loopback
 
 
@@ -27,9 +29,19 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         'a lower tier as JSON, repeatable in cascade order, e.g. \'{"type":"fs","base_path":"/nvme/kv"}\'',
         flag="--l2-adapter",
     )] = []
+    tenant_quotas: Annotated[list[TenantQuota], _meta(
+        'a tenant\'s bytes in one tier, repeatable (docs/policies.md#tenant-quotas), e.g. '
+        '\'{"tenant":"a","tier":"memory","max_gb":2,"guaranteed_gb":1}\'',
+        flag="--tenant-quota",
+    )] = []
 
     def __post_init__(self) -> None:
-        tier_ids(self.l2_adapters)  # unique ids, or a ConfigError naming the clash
+        ids = tier_ids(self.l2_adapters)  # unique ids, or a ConfigError naming the clash
+        capacities: dict[str, float | None] = {"memory": self.l1.size_gb}  # GiB; None: known once built
+        for adapter, tier_id in zip(self.l2_adapters, ids):
+            if isinstance(adapter, FsAdapterConfig):
+                capacities[tier_id] = adapter.max_capacity_gb
+        check_quotas(self.tenant_quotas, capacities)
 
 
 def parse_adapter(text: str) -> Adapter:

@@ -33,6 +33,7 @@ class Reservation:
     slot: int = 0  # the store's handle for it (a server's slot id)
     checksum: bool = False  # seal the object with its checksum: its bytes will cross a socket
     record: bytes = b""  # the block record to send with the object (a client's frames path)
+    tenant: str = ""  # whose object it is, to send with it (a client's frames path)
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,14 @@ class KeyStore(Protocol):
 
     def release(self, leases: Sequence[Lease]) -> None: ...
 
-    def reserve(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = ()) -> list[Reservation | None]:
+    def reserve(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[Reservation | None]:
         """A slot for each (key, object size), in order: None where the key is cached already.
         The list ends early at the first key there is no room for (the rest would be
         unreachable without it). ``records[i]``, if given, is the engine's block record of
-        object i (kvtier.events.BlockRecord, encoded), kept beside it."""
+        object i (kvtier.events.BlockRecord, encoded), kept beside it; ``tenant`` owns the
+        objects (tiers/tenants.py; empty: the default tenant)."""
 
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Make filled, sealed slots visible; True for each that now is."""

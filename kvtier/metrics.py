@@ -3,7 +3,9 @@
 Counters that the store and tiers keep anyway (usage, evictions, corrupt objects, dropped
 writes) are read at scrape time by a collector, not counted twice; what only the server sees
 (requests, lookups, tokens, bytes and latency per operation, protocol errors, clients) is
-counted here.
+counted here. Tenants (``kvtier_tenant_*``, per tier) are labelled by name only where a quota
+names them; the default tenant is ``default`` and every other tenant ``other`` (tiers/tenants.py),
+so the number of series stays what the config makes it.
 """
 
 from __future__ import annotations
@@ -127,4 +129,24 @@ class _StoreCollector:
         )
         held_back.add_metric([], stats.held_back_writes)
         return [usage, capacity, objects, evictions, corrupt, errors, rejected, healthy, dropped, failed, promotions,
-                held_back]
+                held_back, *self._tenants()]
+
+    def _tenants(self) -> list:
+        labels = ["tier", "tenant"]
+        families = {
+            "used_bytes": GaugeMetricFamily("kvtier_tenant_usage_bytes", "Bytes a tenant holds per tier", labels=labels),
+            "objects": GaugeMetricFamily("kvtier_tenant_objects", "Objects a tenant holds per tier", labels=labels),
+            "max_bytes": GaugeMetricFamily(
+                "kvtier_tenant_max_bytes", "A tenant's byte budget per tier (where its quota sets one)", labels=labels),
+            "guaranteed_bytes": GaugeMetricFamily(
+                "kvtier_tenant_guaranteed_bytes", "Bytes other tenants' puts never evict a tenant below", labels=labels),
+            "refused_puts": CounterMetricFamily(
+                "kvtier_tenant_refused_puts", "A tenant's puts refused: over its budget or nothing it may evict", labels=labels),
+            "evictions": CounterMetricFamily("kvtier_tenant_evictions", "A tenant's objects evicted per tier", labels=labels),
+        }
+        for tier in self.store.tiers:
+            for tenant, account in (tier.tenant_usage() or {}).items():
+                for field, family in families.items():
+                    if account[field] is not None:
+                        family.add_metric([tier.name, tenant], account[field])
+        return list(families.values())

@@ -25,6 +25,8 @@ PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 EvictionPolicyName = Literal["LRU", "FIFO", "LFU", "COST"]
 AdmissionName = Literal["none", "tinylfu"]
 WindowShare = Annotated[float, msgspec.Meta(gt=0, lt=1)]
+#: Whose objects a store writes (tiers/tenants.py); empty: the default tenant.
+TenantName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.:@-]{0,64}$")]
 
 
 def convert(data: object, schema: type) -> object:

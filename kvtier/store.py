@@ -13,6 +13,10 @@ Every lookup teaches the store where each chunk of the prompt sits and what prec
 (``Lineage``, shared with the tiers): the cost-aware policy weighs chunks by it. An object is visible only once its slot is committed, and
 a lookup stops at the first missing chunk, so a store that failed part-way is never seen. The
 token level (chunking, the layout check, fill-and-seal) is ``kvtier.cache.TokenCache``'s.
+
+A write names its tenant (tiers/tenants.py); L1 keeps it with the object, and it goes with the
+object to each lower tier and back with a promotion, so every tier counts the object against the
+same tenant's quota there.
 """
 
 from __future__ import annotations
@@ -142,23 +146,28 @@ class TieredStore:
             if lease.pinned:
                 self.l1.release(lease)
 
-    def reserve(self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = ()) -> list[Reservation | None]:
-        """L1 slots for whole objects (``records[i]``: the block record of ``items[i]``, kept
-        with it in every tier that keeps records): None where the key is cached already; the list
-        ends at the first key there is no room for (or that another writer is filling)."""
+    def reserve(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[Reservation | None]:
+        """L1 slots for whole objects of ``tenant`` (``records[i]``: the block record of
+        ``items[i]``, kept with it in every tier that keeps records): None where the key is cached
+        already; the list ends at the first key there is no room for (or that another writer is
+        filling, or that the tenant's quota leaves no room for)."""
         reservations: list[Reservation | None] = []
         for i, (key, size) in enumerate(items):
-            reservation = self.l1.reserve(key, size, records[i] if records else b"")
+            reservation = self.l1.reserve(key, size, records[i] if records else b"", tenant)
             if reservation is None and not self.l1.contains([key])[0]:
                 break
             reservations.append(reservation)
         return reservations
 
-    def bind(self, reservation: Reservation, key: bytes, size: int, record: bytes = b"") -> Reservation | None:
+    def bind(
+        self, reservation: Reservation, key: bytes, size: int, record: bytes = b"", tenant: str = ""
+    ) -> Reservation | None:
         """A slot reserved ahead (under a placeholder key) for the object ``key`` of ``size``
-        bytes written into it; None where ``key`` is stored or being written already, or does
-        not fit (see ``MemoryTier.bind``)."""
-        return self.l1.bind(reservation, key, size, record)
+        bytes of ``tenant`` written into it; None where ``key`` is stored or being written
+        already, or does not fit (see ``MemoryTier.bind``)."""
+        return self.l1.bind(reservation, key, size, record, tenant)
 
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Make filled, sealed slots visible and queue their writes to the lower tiers."""
@@ -175,15 +184,15 @@ class TieredStore:
         """Copy an object as it is from the first lower tier that has it into L1. Where L1 has
         no room (every object pinned), the checked object comes back unpinned in its own buffer."""
         reservation: Reservation | None = None
-        record = b""
+        record, tenant = b"", ""
 
         def allocate(size: int) -> memoryview:
             nonlocal reservation
-            reservation = self.l1.reserve(key, size, record)
+            reservation = self.l1.reserve(key, size, record, tenant)
             return reservation.view if reservation is not None else memoryview(bytearray(size))
 
         for tier in self.lower:
-            record = tier.record_of(key)
+            record, tenant = tier.record_of(key), tier.tenant_of(key)
             view = self._get_into(tier, key, allocate)
             if view is not None:
                 break
@@ -230,9 +239,9 @@ class TieredStore:
             lease, tiers = job
             try:
                 self.l1.ensure_sealed(lease)
-                record = self.l1.record_of(lease.key)
+                record, tenant = self.l1.record_of(lease.key), self.l1.tenant_of(lease.key)
                 for tier in tiers:
-                    if not self._put(tier, lease.key, lease.view, record):
+                    if not self._put(tier, lease.key, lease.view, record, tenant):
                         self.stats.failed_writes += 1
             finally:
                 with self._queue_lock:
@@ -279,9 +288,9 @@ class TieredStore:
             tier.stats.errors += 1
             return None
 
-    def _put(self, tier: Tier, key: bytes, data: memoryview, record: bytes) -> bool:
+    def _put(self, tier: Tier, key: bytes, data: memoryview, record: bytes, tenant: str) -> bool:
         try:
-            return tier.put([(key, data)], [record])[0]
+            return tier.put([(key, data)], [record], tenant)[0]
         except Exception:
             log.exception("%s: put failed", tier.name)
             tier.stats.errors += 1

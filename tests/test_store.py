@@ -225,7 +225,7 @@ class _SlowTier(Tier):
     def get(self, keys):
         return [self.stored.get(k) for k in keys]
 
-    def put(self, items, records=()):
+    def put(self, items, records=(), tenant=""):
         self.gate.wait()
         self.stored.update((k, bytes(v)) for k, v in items)
         return [True] * len(items)

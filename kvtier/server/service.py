@@ -239,7 +239,7 @@ class CacheService:
         if len(request.sizes) != len(request.keys):
             raise BadRequest("reserve: keys and sizes differ in length")
         _check_records("reserve", request.records, len(request.keys))
-        reservations = self.store.reserve(list(zip(request.keys, request.sizes)), request.records)
+        reservations = self.store.reserve(list(zip(request.keys, request.sizes)), request.records, request.tenant)
         states, slots, offsets = [], [], []
         for reservation in reservations:
             if reservation is None:
@@ -297,8 +297,9 @@ class CacheService:
                 committed.append(False)
                 continue
             if held.ahead:  # the slot takes its object's key and size now
-                bound = self.store.bind(reservation, key, header.object_size, request.records[i] if request.records else b"")
-                if bound is None:  # stored (or being stored) by another writer meanwhile, or too big
+                record = request.records[i] if request.records else b""
+                bound = self.store.bind(reservation, key, header.object_size, record, request.tenant)
+                if bound is None:  # stored (or being stored) by another writer meanwhile, too big, over its tenant's max
                     self.store.abort([reservation])
                     committed.append(header.object_size <= len(reservation.view) and self.store.l1.contains([key])[0])
                     continue
@@ -336,7 +337,9 @@ class CacheService:
             except ObjectError as exc:
                 raise BadRequest(f"put: object for key {key.hex()[:16]} refused: {exc}") from None
             objects.append((header, data[: header.object_size]))
-        reservations = self.store.reserve([(key, len(data)) for key, (_, data) in zip(request.keys, objects)], request.records)
+        reservations = self.store.reserve(
+            [(key, len(data)) for key, (_, data) in zip(request.keys, objects)], request.records, request.tenant
+        )
         filled = []
         for reservation, (header, data) in zip(reservations, objects):
             if reservation is not None:
@@ -400,7 +403,10 @@ class CacheService:
                 usage = msgspec.to_builtins(tier.usage())
             except Exception as exc:
                 usage = {"error": type(exc).__name__}
-            tiers.append({"name": tier.name, "medium": tier.medium.value, "healthy": tier.healthy, **usage, "stats": tier.stats.as_dict()})
+            entry = {"name": tier.name, "medium": tier.medium.value, "healthy": tier.healthy, **usage, "stats": tier.stats.as_dict()}
+            if (tenants := tier.tenant_usage()) is not None:
+                entry["tenants"] = tenants
+            tiers.append(entry)
         with self._lock:
             held = len(self._held)
             ahead = sum(h.ahead for h in self._held.values())

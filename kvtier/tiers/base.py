@@ -17,6 +17,11 @@ kvtier.events). Tiers that can say exactly what they hold keep it beside the obj
 ``record_of``/``records``; the KV-event publisher makes vLLM's events from them. Remote tiers are
 shared by several servers and evict by themselves, so none can say what it holds: they keep none.
 
+**Tenants.** A put names the tenant whose objects it writes (tenants.py). Tiers that bound
+themselves here keep it beside each object (``keeps_tenants``: memory, disk; a disk tier's
+survive restarts), count what each tenant holds and enforce its quota (``limit_tenants``);
+remote tiers are shared and evict by themselves: they keep none.
+
 **Adapter configs.** Each medium's module defines its ``AdapterConfig`` subclass (the ``type``
 tag of an ``--l2-adapter`` JSON object) and how it builds its tier; registry.py finds them.
 """
@@ -36,6 +41,7 @@ from kvtier.errors import ConfigError, ObjectError
 from kvtier.events import CacheEvent, EventLog, Medium
 from kvtier.objects import ObjectHeader, check_object
 from kvtier.tiers.lineage import Lineage
+from kvtier.tiers.tenants import TenantQuota
 from kvtier.tiers.write_admission import WriteAdmissionName
 
 logger = logging.getLogger(__name__)
@@ -93,6 +99,7 @@ class Tier(ABC):
 
     medium: ClassVar[Medium]
     keeps_records: ClassVar[bool] = False
+    keeps_tenants: ClassVar[bool] = False
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.medium.value  # the tier's unique id in its store
@@ -118,10 +125,12 @@ class Tier(ABC):
         return dest
 
     @abstractmethod
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
+    def put(
+        self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[bool]:
         """Store whole objects; True where the object is stored (or already was). ``records[i]``
         (if given; empty for none) is the block record of ``items[i]``, kept where the tier
-        ``keeps_records``."""
+        ``keeps_records``; ``tenant`` owns them, where the tier ``keeps_tenants``."""
 
     @abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:
@@ -146,6 +155,21 @@ class Tier(ABC):
         """(key, block record) of every object held that has one: a snapshot of what the tier
         holds, for a consumer of its events that starts (or lost track) now."""
         return []
+
+    def tenant_of(self, key: bytes) -> str:
+        """The tenant that owns the object under ``key``; empty (the default tenant) if unknown."""
+        return ""
+
+    def limit_tenants(self, quotas: Sequence[TenantQuota], named: Sequence[str]) -> None:
+        """Enforce these tenant quotas (tenants.py) from now on; ``named``: every tenant with a
+        quota on some tier of the store. Only tiers that keep tenants take any."""
+        if quotas:
+            raise ConfigError(f"{self.name}: tenant quotas apply to memory and disk tiers only")
+
+    def tenant_usage(self) -> dict[str, dict] | None:
+        """What each tenant label holds here, its budget and counters; None where the tier keeps
+        no tenants."""
+        return None
 
     @property
     def healthy(self) -> bool:

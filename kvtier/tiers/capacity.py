@@ -2,9 +2,10 @@
 they and the writes in flight take, and which objects go first when a put needs room.
 
 Room is reserved before a write starts and turned into an entry when it is done, so what the
-medium holds, writes in flight included, never adds up to more than the capacity. The book only
-counts: the tier removes the victims from its medium and reports them. Not thread-safe: the
-owner calls it under its own lock.
+medium holds, writes in flight included, never adds up to more than the capacity. Each entry and
+reservation has a tenant, counted in the book's ``TenantLedger``, whose quotas scope the victims
+(tenants.py). The book only counts: the tier removes the victims from its medium and reports them.
+Not thread-safe: the owner calls it under its own lock.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from kvtier.tiers.eviction import EvictionPolicy
 from kvtier.tiers.lineage import ChunkInfo
+from kvtier.tiers.tenants import TenantLedger
 
 
 @dataclass(eq=False)
@@ -21,6 +23,7 @@ class Entry:
     whether its key still names that object or was evicted and stored again meanwhile."""
 
     size: int  # bytes it takes on the medium
+    tenant: str = ""  # whose object it is (tenants.py)
 
 
 class CapacityBook:
@@ -30,6 +33,13 @@ class CapacityBook:
         self.policy = policy
         self.used = 0  # entries plus room reserved by writes in flight
         self._entries: dict[bytes, Entry] = {}
+        self.tenants = TenantLedger()
+
+    def limit_tenants(self, ledger: TenantLedger) -> None:
+        """Count (and bound) tenants with ``ledger`` from now on; what is held is counted in it."""
+        for entry in self._entries.values():
+            ledger.added(entry.tenant, entry.size)
+        self.tenants = ledger
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
@@ -47,17 +57,22 @@ class CapacityBook:
         if key in self._entries:
             self.policy.accessed(key)
 
-    def reserve(self, size: int) -> None:
+    def reserve(self, size: int, tenant: str = "") -> None:
         """Count a write in flight (after ``victims`` made room for it)."""
         self.used += size
+        self.tenants.reserved(tenant, size)
 
-    def unreserve(self, size: int) -> None:
+    def unreserve(self, size: int, tenant: str = "") -> None:
         self.used -= size
+        self.tenants.unreserved(tenant, size)
 
-    def add(self, key: bytes, size: int, reserved: bool = False, info: ChunkInfo | None = None) -> Entry:
+    def add(
+        self, key: bytes, size: int, reserved: bool = False, info: ChunkInfo | None = None, tenant: str = ""
+    ) -> Entry:
         """Index an object (newest for the policy); ``reserved``: its room was reserved."""
-        entry = self._entries[key] = Entry(size)
+        entry = self._entries[key] = Entry(size, tenant)
         self.policy.inserted(key, size, info)
+        self.tenants.added(tenant, size, reserved)
         if not reserved:
             self.used += size
         return entry
@@ -67,22 +82,41 @@ class CapacityBook:
         if entry is not None:
             self.used -= entry.size
             self.policy.removed(key)
+            self.tenants.removed(entry.tenant, entry.size)
         return entry
 
-    def victims(self, size: int) -> list[bytes] | None:
-        """Keys to remove, first victim first, so that ``size`` more bytes fit; None if they
-        never can (bigger than the capacity)."""
+    def victims(self, size: int, tenant: str = "") -> list[bytes] | None:
+        """Keys to remove, first victim first, so that ``size`` more bytes of ``tenant`` fit;
+        None if they never can (bigger than the capacity, or than what the tenant's quota lets
+        it free: tenants.py)."""
         if self.capacity is None:
             return []
         if size > self.capacity:
             return None
-        excess = self.used + size - self.capacity
         chosen = []
+        own = self.tenants.excess(tenant, size)
+        if own > 0:  # over its max: its own objects first, never another's
+            for key in self.policy.candidates():
+                if own <= 0:
+                    break
+                entry = self._entries[key]
+                if self.tenants.same(entry.tenant, tenant):
+                    chosen.append(key)
+                    own -= entry.size
+            if own > 0:
+                return None
+        excess = self.used + size - self.capacity - sum(self._entries[key].size for key in chosen)
+        may_go = self.tenants.victim_filter(tenant)
+        skip = set(chosen)
         for key in self.policy.candidates():
             if excess <= 0:
                 break
-            chosen.append(key)
-            excess -= self._entries[key].size
+            entry = self._entries[key]
+            if key not in skip and (may_go is None or may_go(entry.tenant, entry.size)):
+                chosen.append(key)
+                excess -= entry.size
+        if excess > 0 and may_go is not None:
+            return None  # what may go is not enough: evict nothing for nothing
         return chosen
 
     def fits(self, size: int) -> bool:

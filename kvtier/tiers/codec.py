@@ -17,6 +17,7 @@ from kvtier.errors import ObjectError
 from kvtier.objects import HEADER_SIZE, check_object, object_size, reseal
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.lineage import Lineage
+from kvtier.tiers.tenants import TenantQuota
 
 
 class CodecTier(Tier):
@@ -39,10 +40,12 @@ class CodecTier(Tier):
     def lineage(self, lineage: Lineage) -> None:
         self.inner.lineage = lineage
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
+    def put(
+        self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[bool]:
         encoded = [(key, self._encode(key, data)) for key, data in items]
         kept = [i for i, (_, obj) in enumerate(encoded) if obj is not None]
-        stored = iter(self.inner.put([encoded[i] for i in kept], [records[i] for i in kept] if records else ()))
+        stored = iter(self.inner.put([encoded[i] for i in kept], [records[i] for i in kept] if records else (), tenant))
         return [obj is not None and next(stored) for _, obj in encoded]
 
     @property
@@ -54,6 +57,19 @@ class CodecTier(Tier):
 
     def records(self) -> list[tuple[bytes, bytes]]:
         return self.inner.records()
+
+    @property
+    def keeps_tenants(self) -> bool:  # type: ignore[override]
+        return self.inner.keeps_tenants
+
+    def tenant_of(self, key: bytes) -> str:
+        return self.inner.tenant_of(key)
+
+    def limit_tenants(self, quotas: Sequence[TenantQuota], named: Sequence[str]) -> None:
+        self.inner.limit_tenants(quotas, named)
+
+    def tenant_usage(self) -> dict[str, dict] | None:
+        return self.inner.tenant_usage()
 
     def _encode(self, key: bytes, data: bytes | memoryview) -> bytes | memoryview | None:
         """The object to store for ``data``; None (counted) if it is not a whole object."""

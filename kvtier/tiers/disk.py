@@ -10,6 +10,9 @@ An object's block record (tiers/base.py), if it came with one, is a small file b
 (``<64 hex>.blocks``), written before the object and removed with it, so what the tier holds
 after a restart can be published again. A record without its object (a crash between the two
 renames) is removed at start; an object whose record is lost is still a hit, just unpublished.
+The tenant of an object (tenants.py) other than the default one is kept the same way
+(``<64 hex>.tenant``, its name): after a restart each object still counts against its tenant's
+quota; one whose tenant file is lost counts as the default tenant's.
 
 Room is reserved in the index before a write starts and eviction runs inline in ``put``, so the
 files in the directory, temp files included, never add up to more than the capacity. A directory
@@ -42,11 +45,13 @@ from kvtier.tiers.arena import ALIGNMENT, align_up
 from kvtier.tiers.base import AdapterConfig, Tier, TierUsage
 from kvtier.tiers.capacity import CapacityBook
 from kvtier.tiers.eviction import make_policy
+from kvtier.tiers.tenants import TenantLedger, TenantQuota, valid_tenant
 
 logger = logging.getLogger(__name__)
 
 OBJECT_NAME = re.compile(r"[0-9a-f]{64}\.kv")
 RECORD_NAME = re.compile(r"[0-9a-f]{64}\.blocks")
+TENANT_FILE_NAME = re.compile(r"[0-9a-f]{64}\.tenant")
 TEMP_NAME = re.compile(r"\.([0-9a-f]{64}|odirect-probe)\.tmp\.[0-9]+\.[0-9a-f]{8}")
 LOCK_NAME = ".kvtier-disk.lock"
 #: Share of the free space the tier may take when no capacity is given: the rest stays for
@@ -89,6 +94,7 @@ class FsAdapterConfig(AdapterConfig, tag="fs"):
 class DiskTier(Tier):
     medium = Medium.DISK
     keeps_records = True
+    keeps_tenants = True
 
     def __init__(
         self,
@@ -147,8 +153,10 @@ class DiskTier(Tier):
     def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
         return [self.get_into(key, _new_buffer) for key in keys]
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
-        return [self._put_one(key, data, records[i] if records else b"") for i, (key, data) in enumerate(items)]
+    def put(
+        self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[bool]:
+        return [self._put_one(key, data, records[i] if records else b"", tenant) for i, (key, data) in enumerate(items)]
 
     def record_of(self, key: bytes) -> bytes:
         with self._lock:
@@ -157,6 +165,20 @@ class DiskTier(Tier):
     def records(self) -> list[tuple[bytes, bytes]]:
         with self._lock:
             return list(self._records.items())
+
+    def tenant_of(self, key: bytes) -> str:
+        with self._lock:
+            entry = self._book.get(key)
+            return entry.tenant if entry is not None else ""
+
+    def limit_tenants(self, quotas: Sequence[TenantQuota], named: Sequence[str]) -> None:
+        ledger = TenantLedger(quotas, named, self.capacity, self.name)
+        with self._lock:
+            self._book.limit_tenants(ledger)
+
+    def tenant_usage(self) -> dict[str, dict]:
+        with self._lock:
+            return self._book.tenants.snapshot()
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
@@ -217,37 +239,42 @@ class DiskTier(Tier):
                 self._book.accessed(key)
         return buf[: header.object_size]
 
-    def _put_one(self, key: bytes, data: bytes | memoryview, record: bytes) -> bool:
+    def _put_one(self, key: bytes, data: bytes | memoryview, record: bytes, tenant: str) -> bool:
         obj = self._whole_object(key, data)
         if obj is None:
             return False
-        size = (align_up(len(obj)) if self.odirect else len(obj)) + len(record)
+        owner = tenant.encode()
+        size = (align_up(len(obj)) if self.odirect else len(obj)) + len(record) + len(owner)
         with self._lock:
             if key in self._book:
                 return True
             if key in self._writing:  # another thread is storing the same object right now
                 return False
-            if not self._make_room(size):
+            if not self._make_room(size, tenant):
                 self.stats.add(rejected_puts=1)
+                self._book.tenants.refused(tenant)
                 return False
             self._writing.add(key)
-            self._book.reserve(size)
+            self._book.reserve(size, tenant)
         try:
             if record:
-                self._write_record(key, record)
-            self._write_file(key, obj, size - len(record))
+                self._write_small(self._record_path(key), key, record)
+            if owner:
+                self._write_small(self._tenant_path(key), key, owner)
+            self._write_file(key, obj, size - len(record) - len(owner))
         except OSError as e:
-            with suppress(OSError):
-                os.unlink(self._record_path(key))
+            for path in (self._record_path(key), self._tenant_path(key)):
+                with suppress(OSError):
+                    os.unlink(path)
             with self._lock:
                 self._warn_io_error("write", self._object_path(key), e)
                 self._writing.discard(key)
-                self._book.unreserve(size)
+                self._book.unreserve(size, tenant)
             self.stats.add(errors=1)
             return False
         with self._lock:
             self._writing.discard(key)
-            self._book.add(key, size, reserved=True, info=self.lineage.get(key))
+            self._book.add(key, size, reserved=True, info=self.lineage.get(key), tenant=tenant)
             if record:
                 self._records[key] = bytes(record)
             self._io_failing = False
@@ -260,10 +287,14 @@ class DiskTier(Tier):
     def _record_path(self, key: bytes) -> Path:
         return self.path / f"{key.hex()}.blocks"
 
-    def _write_record(self, key: bytes, record: bytes) -> None:
-        """Without fsync: a record lost in a crash only unpublishes its object."""
-        with self._renamed_into(self._record_path(key), key.hex()) as temp, open(temp, "xb") as f:
-            f.write(record)
+    def _tenant_path(self, key: bytes) -> Path:
+        return self.path / f"{key.hex()}.tenant"
+
+    def _write_small(self, path: Path, key: bytes, data: bytes) -> None:
+        """A file beside an object (its record, its tenant), written before it. Without fsync: a
+        record lost in a crash only unpublishes its object, a tenant gives it to the default one."""
+        with self._renamed_into(path, key.hex()) as temp, open(temp, "xb") as f:
+            f.write(data)
 
     def _temp_path(self, stem: str) -> Path:
         return self.path / f".{stem}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
@@ -372,6 +403,7 @@ class DiskTier(Tier):
         a crashed writer left; leave every other file alone (it is not ours)."""
         found: list[tuple[int, str, int]] = []
         records: dict[str, int] = {}  # record file name -> size
+        tenants: dict[str, int] = {}  # tenant file name -> size
         temp_removed = foreign = 0
         with os.scandir(self.path) as entries:
             for entry in entries:
@@ -384,6 +416,8 @@ class DiskTier(Tier):
                     found.append((stat.st_mtime_ns, entry.name, stat.st_size))
                 elif RECORD_NAME.fullmatch(entry.name):
                     records[entry.name] = entry.stat(follow_symlinks=False).st_size
+                elif TENANT_FILE_NAME.fullmatch(entry.name):
+                    tenants[entry.name] = entry.stat(follow_symlinks=False).st_size
                 elif TEMP_NAME.fullmatch(entry.name):
                     with suppress(FileNotFoundError):
                         os.unlink(entry.path)
@@ -392,11 +426,17 @@ class DiskTier(Tier):
                     foreign += 1
         for _, name, size in sorted(found):
             key = bytes.fromhex(name[:64])
-            record = self._load_record(key, records.pop(f"{name[:64]}.blocks", None))
-            self._book.add(key, size + len(record))
+            record = self._load_small(self._record_path(key), records.pop(f"{name[:64]}.blocks", None), MAX_RECORD_BYTES)
+            owner = self._load_small(self._tenant_path(key), tenants.pop(f"{name[:64]}.tenant", None), 64)
+            tenant = owner.decode("ascii", "replace")
+            if owner and not valid_tenant(tenant):  # not a tenant name kvtier wrote: the default tenant's
+                with suppress(OSError):
+                    os.unlink(self._tenant_path(key))
+                owner, tenant = b"", ""
+            self._book.add(key, size + len(record) + len(owner), tenant=tenant)
             if record:
                 self._records[key] = record
-        for name in records:  # records whose object is gone (a crash between the two writes)
+        for name in (*records, *tenants):  # files whose object is gone (a crash between the writes)
             with suppress(FileNotFoundError):
                 os.unlink(self.path / name)
         if foreign:
@@ -406,13 +446,13 @@ class DiskTier(Tier):
         self.stats.extra["foreign_files"] = foreign
         self.stats.extra["temp_files_removed"] = temp_removed
 
-    def _load_record(self, key: bytes, size: int | None) -> bytes:
-        """The record file of an indexed object, or b"" (removing one that cannot be a record)."""
+    def _load_small(self, path: Path, size: int | None, limit: int) -> bytes:
+        """A file beside an indexed object (``size`` None: none), or b"" (removing one over
+        ``limit``: it cannot be ours)."""
         if size is None:
             return b""
-        path = self._record_path(key)
         try:
-            if size <= MAX_RECORD_BYTES:
+            if size <= limit:
                 return path.read_bytes()
         except OSError as e:
             self._warn_io_error("read", path, e)
@@ -423,16 +463,17 @@ class DiskTier(Tier):
 
     # -- inside the lock ---------------------------------------------------------------------
 
-    def _make_room(self, size: int) -> bool:
-        """Evict by policy until ``size`` more bytes fit; False if they cannot."""
-        victims = self._book.victims(size)
+    def _make_room(self, size: int, tenant: str = "") -> bool:
+        """Evict by policy until ``size`` more bytes of ``tenant`` fit; False if they cannot."""
+        victims = self._book.victims(size, tenant)
         if victims is None:
             return False
         for key in victims:
-            size_on_disk = self._book.get(key).size
+            entry = self._book.get(key)
             if self._remove(key):
-                self._evicted(key, size_on_disk)
-        return self._book.fits(size)
+                self._evicted(key, entry.size)
+                self._book.tenants.evicted(entry.tenant)
+        return self._book.fits(size) and self._book.tenants.excess(tenant, size) <= 0
 
     def _remove(self, key: bytes) -> bool:
         """Delete an indexed object's file and entry. If the file cannot be deleted the entry
@@ -448,7 +489,10 @@ class DiskTier(Tier):
         if self._records.pop(key, None) is not None:
             with suppress(OSError):  # left behind, it is removed at the next start
                 os.unlink(self._record_path(key))
-        self._book.forget(key)
+        entry = self._book.forget(key)
+        if entry is not None and entry.tenant:
+            with suppress(OSError):
+                os.unlink(self._tenant_path(key))
         return True
 
     @property

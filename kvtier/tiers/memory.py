@@ -4,13 +4,15 @@ Writes are two-phase (``reserve`` a slot, fill it, ``commit``) so that a half-wr
 never visible; reads are leases (``lease``, read the view, ``release``) so that an object a reader
 holds is never evicted or overwritten. Eviction runs inside ``reserve`` when the put would pass the
 trigger watermark, so a burst of writes never fails for want of a background thread catching up.
+Each slot keeps its tenant; with tenant quotas (tenants.py) a put over its tenant's max evicts that
+tenant's own objects, and no put evicts a tenant below its guaranteed bytes.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Annotated, Sequence
+from typing import Annotated, Iterator, Sequence
 
 import msgspec
 
@@ -22,6 +24,7 @@ from kvtier.schema import GB, AdmissionName, EvictionPolicyName, Fraction, NonNe
 from kvtier.tiers.arena import Allocator, align_up, allocate_buffer
 from kvtier.tiers.base import Tier, TierUsage
 from kvtier.tiers.eviction import make_policy
+from kvtier.tiers.tenants import TenantLedger, TenantQuota
 
 
 class L1Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -64,6 +67,7 @@ class _Slot:
     pins: int = 0
     doomed: bool = False  # removed while pinned: freed by the last release
     record: bytes = b""  # the engine's block record (kvtier.events), if it gave one
+    tenant: str = ""  # whose object it is (tenants.py); empty: the default tenant
 
     @property
     def visible(self) -> bool:
@@ -73,6 +77,7 @@ class _Slot:
 class MemoryTier(Tier):
     medium = Medium.MEMORY
     keeps_records = True
+    keeps_tenants = True
 
     def __init__(
         self,
@@ -106,23 +111,26 @@ class MemoryTier(Tier):
         self._trigger = eviction_trigger_watermark * capacity
         self._evict_extra = eviction_ratio * capacity
         self._slots: dict[bytes, _Slot] = {}
+        self._tenants = TenantLedger()
         self._lock = threading.Lock()
 
     # -- two-phase write ---------------------------------------------------------------------
 
-    def reserve(self, key: bytes, size: int, record: bytes = b"") -> Reservation | None:
-        """A slot for an object of ``size`` bytes (and its block ``record``), evicting inline if
-        needed. None if the key is already stored or being written, or if no room can be made
-        (all pinned, or too big)."""
+    def reserve(self, key: bytes, size: int, record: bytes = b"", tenant: str = "") -> Reservation | None:
+        """A slot for an object of ``size`` bytes (and its block ``record``) owned by ``tenant``,
+        evicting inline if needed. None if the key is already stored or being written, or if no
+        room can be made (all pinned, too big, or not within the tenant's quota)."""
         needed = align_up(size)
         with self._lock:
             if key in self._slots:
                 return None
-            offset = self._allocate(needed)
+            offset = self._allocate(needed, tenant)
             if offset is None:
                 self.stats.rejected_puts += 1
+                self._tenants.refused(tenant)
                 return None
-            self._slots[key] = _Slot(offset, size, needed, record=bytes(record))
+            self._slots[key] = _Slot(offset, size, needed, record=bytes(record), tenant=tenant)
+            self._tenants.added(tenant, needed)
         return Reservation(key, self._arena[offset : offset + size], offset)
 
     def commit(self, reservation: Reservation) -> None:
@@ -133,22 +141,32 @@ class MemoryTier(Tier):
             self._policy.inserted(reservation.key, slot.size, self.lineage.get(reservation.key))
             self._stored(reservation.key, slot.size)
 
-    def bind(self, reservation: Reservation, key: bytes, size: int, record: bytes = b"") -> Reservation | None:
+    def bind(
+        self, reservation: Reservation, key: bytes, size: int, record: bytes = b"", tenant: str = ""
+    ) -> Reservation | None:
         """The slot of an uncommitted ``reservation`` (made under a placeholder key: reserved
         ahead, before its object was known) now reserved for the object ``key`` of ``size``
-        bytes and its block ``record``; the pages of the slot past ``size`` are freed. None,
-        and nothing changed, where ``key`` is stored or being written already, or where the
-        object does not fit."""
+        bytes and its block ``record``, owned by ``tenant`` (evicting the tenant's own objects
+        where that takes it past its max); the pages of the slot past ``size`` are freed. None,
+        and nothing changed, where ``key`` is stored or being written already, where the object
+        does not fit, or where the tenant's quota leaves it no room (counted)."""
         with self._lock:
             slot = self._slots.get(reservation.key)
             if key in self._slots or slot is None or slot.committed or not 0 < size <= slot.size:
                 return None
-            del self._slots[reservation.key]
             kept = align_up(size)
+            self._tenants.removed(slot.tenant, slot.reserved)
+            excess = self._tenants.excess(tenant, kept)
+            if excess > 0 and not self._evict_own(tenant, excess):
+                self._tenants.added(slot.tenant, slot.reserved)
+                self._tenants.refused(tenant)
+                return None
+            del self._slots[reservation.key]
             if kept < slot.reserved:
                 self._allocator.free(slot.offset + kept, slot.reserved - kept)
-            slot.size, slot.reserved, slot.record = size, kept, bytes(record)
+            slot.size, slot.reserved, slot.record, slot.tenant = size, kept, bytes(record), tenant
             self._slots[key] = slot
+            self._tenants.added(tenant, kept)
         return Reservation(key, self._arena[slot.offset : slot.offset + size], slot.offset)
 
     def abort(self, reservation: Reservation) -> None:
@@ -157,7 +175,7 @@ class MemoryTier(Tier):
             slot = self._slots.get(reservation.key)
             if slot is not None and not slot.committed:
                 del self._slots[reservation.key]
-                self._allocator.free(slot.offset, slot.reserved)
+                self._free(slot)
 
     # -- leased read -------------------------------------------------------------------------
 
@@ -179,7 +197,7 @@ class MemoryTier(Tier):
             slot.pins -= 1
             if slot.doomed and slot.pins == 0:
                 del self._slots[lease.key]
-                self._allocator.free(slot.offset, slot.reserved)
+                self._free(slot)
 
     # -- the Tier interface ------------------------------------------------------------------
 
@@ -209,14 +227,16 @@ class MemoryTier(Tier):
         if lease.pinned:
             ensure_sealed(self._arena[lease.offset : lease.offset + len(lease.view)])
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
+    def put(
+        self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[bool]:
         results = []
         for i, (key, data) in enumerate(items):
             data = self._whole_object(key, data)  # refuse what is not an object before it takes room
             if data is None:
                 results.append(False)
                 continue
-            reservation = self.reserve(key, len(data), records[i] if records else b"")
+            reservation = self.reserve(key, len(data), records[i] if records else b"", tenant)
             if reservation is None:
                 results.append(self.contains([key])[0])
                 continue
@@ -233,6 +253,22 @@ class MemoryTier(Tier):
     def records(self) -> list[tuple[bytes, bytes]]:
         with self._lock:
             return [(key, slot.record) for key, slot in self._slots.items() if slot.visible and slot.record]
+
+    def tenant_of(self, key: bytes) -> str:
+        with self._lock:
+            slot = self._slots.get(key)
+            return slot.tenant if slot is not None else ""
+
+    def limit_tenants(self, quotas: Sequence[TenantQuota], named: Sequence[str]) -> None:
+        ledger = TenantLedger(quotas, named, self.capacity, self.name)
+        with self._lock:
+            for slot in self._slots.values():
+                ledger.added(slot.tenant, slot.reserved)
+            self._tenants = ledger
+
+    def tenant_usage(self) -> dict[str, dict]:
+        with self._lock:
+            return self._tenants.snapshot()
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
@@ -259,41 +295,66 @@ class MemoryTier(Tier):
 
     # -- inside the lock ---------------------------------------------------------------------
 
-    def _allocate(self, needed: int) -> int | None:
+    def _allocate(self, needed: int, tenant: str) -> int | None:
         if needed > self.capacity:
+            return None
+        excess = self._tenants.excess(tenant, needed)
+        if excess > 0 and not self._evict_own(tenant, excess):
             return None
         used = self.capacity - self._allocator.free_bytes
         if used + needed > self._trigger:
-            self._evict(target_used=self._trigger - self._evict_extra - needed)
+            self._evict(self._trigger - self._evict_extra - needed, tenant)
         offset = self._allocator.allocate(needed)
         if offset is None:  # fragmented or pinned: evict one by one until it fits
-            for key in self._evictable():
+            for key in list(self._victims(tenant)):
                 self._evict_one(key)
                 offset = self._allocator.allocate(needed)
                 if offset is not None:
                     break
         return offset
 
-    def _evictable(self) -> list[bytes]:
-        return [k for k in self._policy.candidates() if self._slots[k].pins == 0]
+    def _victims(self, tenant: str) -> Iterator[bytes]:
+        """Objects that may go to make room for ``tenant``'s put, in policy order: never one a
+        reader holds, nor one that would take another tenant below its guaranteed bytes."""
+        may_go = self._tenants.victim_filter(tenant)
+        for key in self._policy.candidates():
+            slot = self._slots[key]
+            if slot.pins == 0 and (may_go is None or may_go(slot.tenant, slot.reserved)):
+                yield key
 
-    def _evict(self, target_used: float) -> None:
+    def _evict(self, target_used: float, tenant: str) -> None:
         used = self.capacity - self._allocator.free_bytes
         victims = []
-        for key in self._policy.candidates():
+        for key in self._victims(tenant):
             if used <= target_used:
                 break
-            slot = self._slots[key]
-            if slot.pins == 0:
-                victims.append(key)
-                used -= slot.reserved
+            victims.append(key)
+            used -= self._slots[key].reserved
         for key in victims:
             self._evict_one(key)
 
+    def _evict_own(self, tenant: str, excess: int) -> bool:
+        """Evict ``tenant``'s own objects until ``excess`` bytes are free under its max; evicts
+        nothing and says False where that cannot be done (its other objects are pinned)."""
+        victims = []
+        for key in self._policy.candidates():
+            if excess <= 0:
+                break
+            slot = self._slots[key]
+            if slot.pins == 0 and self._tenants.same(slot.tenant, tenant):
+                victims.append(key)
+                excess -= slot.reserved
+        if excess > 0:
+            return False
+        for key in victims:
+            self._evict_one(key)
+        return True
+
     def _evict_one(self, key: bytes) -> None:
-        size = self._slots[key].size
+        slot = self._slots[key]
         if self._remove(key):
-            self._evicted(key, size)
+            self._evicted(key, slot.size)
+            self._tenants.evicted(slot.tenant)
 
     def _remove(self, key: bytes) -> bool:
         """Make a committed object invisible; its memory is freed now, or by the last release
@@ -306,5 +367,9 @@ class MemoryTier(Tier):
             slot.doomed = True
         else:
             del self._slots[key]
-            self._allocator.free(slot.offset, slot.reserved)
+            self._free(slot)
         return True
+
+    def _free(self, slot: _Slot) -> None:
+        self._allocator.free(slot.offset, slot.reserved)
+        self._tenants.removed(slot.tenant, slot.reserved)

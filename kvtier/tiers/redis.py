@@ -201,8 +201,10 @@ class RedisTier(RemoteTier):
             self.delete(bad)
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
-        """``records`` are not kept: a shared tier cannot say what it holds (tiers/base.py)."""
+    def put(
+        self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[bool]:
+        """``records`` and ``tenant`` are not kept: a shared tier cannot say what it holds (tiers/base.py)."""
         objects = [self._whole_object(key, data) for key, data in items]
         todo = [(key, obj) for (key, _), obj in zip(items, objects) if obj is not None]
         if not todo:

@@ -180,8 +180,10 @@ class S3Tier(RemoteTier):
         object-sized buffer in between."""
         return self._each(lambda k: self._read(k, allocate), [key], default=None, on_failure=self._missed)[0]
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = ()) -> list[bool]:
-        """``records`` are not kept: a shared tier cannot say what it holds (tiers/base.py)."""
+    def put(
+        self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[bool]:
+        """``records`` and ``tenant`` are not kept: a shared tier cannot say what it holds (tiers/base.py)."""
         objects = [(key, obj) if (obj := self._whole_object(key, data)) is not None else None for key, data in items]
         todo = [obj for obj in objects if obj is not None]
         results = iter(self._each(lambda item: self._write(*item), todo, default=False, on_failure=self.health.dropped))

@@ -12,6 +12,8 @@ counters of every request type (``kvtier_requests_total{op}``) let a test count 
 
 A write may carry, per object, the engine's block record (``kvtier.events.BlockRecord``, encoded;
 empty for none): the server keeps it beside the object and publishes vLLM's KV events from it.
+A write also names the tenant whose objects it stores (empty: the default tenant), for the tiers'
+tenant quotas (kvtier/tiers/tenants.py).
 
 Writes through shared memory are two-phase: ``Reserve`` gives slots in the arena, the client
 writes whole sealed objects into them, ``Commit`` makes them visible (or ``Abort`` gives them back).
@@ -34,6 +36,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 
 from kvtier.events import MAX_RECORD_BYTES, CacheEvent
+from kvtier.schema import TenantName
 
 PROTOCOL_VERSION = 4
 #: Shared-memory requests name the arena they mean by this many bytes of its nonce, so a client
@@ -82,28 +85,33 @@ class Lookup(_Request, tag="lookup"):
 
 
 class Reserve(_Request, tag="reserve"):
-    """Slots for whole objects; ``sizes[i]`` is the size of the object under ``keys[i]`` and
-    ``records[i]`` its block record (``records`` empty: none); and slots reserved ahead, unnamed,
-    of the ``ahead`` sizes (as many as there is room for)."""
+    """Slots for whole objects of ``tenant``; ``sizes[i]`` is the size of the object under
+    ``keys[i]`` and ``records[i]`` its block record (``records`` empty: none); and slots reserved
+    ahead, unnamed (the default tenant's until a commit names their objects), of the ``ahead``
+    sizes (as many as there is room for)."""
 
     keys: Keys = []
     sizes: Sizes = []
     arena: bytes = b""  # the client's arena id (ARENA_ID_SIZE bytes of the hello nonce)
     records: Records = []
     ahead: Sizes = []
+    tenant: TenantName = ""
 
 
 class Commit(_Request, tag="commit"):
     """Make filled slots visible. ``keys[i]`` (all or none) names the object in ``slots[i]``:
     required for a slot reserved ahead, which takes that key now (``records[i]`` its block record);
     a slot reserved by key must be named by its own. ``ahead``: slots to reserve ahead again, in
-    the same round trip. A slot whose key is cached already is given back (committed: True)."""
+    the same round trip. A slot whose key is cached already is given back (committed: True).
+    ``tenant``: whose objects the slots reserved ahead now hold (a slot reserved by key keeps the
+    tenant of its ``Reserve``)."""
 
     slots: Ids = []  # slot ids from ReserveReply or CommitReply
     keys: Keys = []
     records: Records = []
     ahead: Sizes = []
     arena: bytes = b""  # required with ``ahead``
+    tenant: TenantName = ""
 
 
 class Abort(_Request, tag="abort"):
@@ -112,10 +120,11 @@ class Abort(_Request, tag="abort"):
 
 class Put(_Request, tag="put"):
     """Whole objects in frames 1..n, one per key: the path of clients on other hosts.
-    ``records`` as in ``Reserve``."""
+    ``records`` and ``tenant`` as in ``Reserve``."""
 
     keys: Keys = []
     records: Records = []
+    tenant: TenantName = ""
 
 
 class Retrieve(_Request, tag="retrieve"):

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkSpan, Namespace, PrefixKeys
 from kvtier.layout import DTYPE_SIZES, KVLayout
+from kvtier.tiers.tenants import salt_label, valid_tenant
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,12 +48,28 @@ if TYPE_CHECKING:
 ReqId = str
 
 
+#: The ``kv_transfer_params`` key by which a proxy names a request's tenant (its quota: docs/policies.md).
+TENANT_PARAM = "kvtier_tenant"
+
+
 class RequestScope(NamedTuple):
     """The part of a key's namespace that varies per request: the LoRA adapter (its KV differs
-    from the base model's) and vLLM's ``cache_salt`` (tenants that must not share a cache)."""
+    from the base model's) and vLLM's ``cache_salt`` (tenants that must not share a cache); and
+    the tenant whose quota its stores count against (not part of the keys)."""
 
     lora: str = ""
     salt: str = ""
+    tenant: str = ""
+
+
+def request_tenant(request: "Request") -> str:
+    """The name a proxy passes as ``kv_transfer_params[TENANT_PARAM]`` (where it is a valid
+    tenant name), else a label of the request's cache salt (``salt_label``: the salt itself is a
+    secret and is never shown), else the default tenant (empty)."""
+    name = (request.kv_transfer_params or {}).get(TENANT_PARAM)
+    if isinstance(name, str) and name and valid_tenant(name):
+        return name
+    return salt_label(request.cache_salt) if request.cache_salt else ""
 
 
 def request_scope(request: "Request") -> RequestScope | None:
@@ -62,7 +79,7 @@ def request_scope(request: "Request") -> RequestScope | None:
         return None
     lora = request.lora_request
     lora_name = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else ""
-    return RequestScope(lora_name, request.cache_salt or "")
+    return RequestScope(lora_name, request.cache_salt or "", request_tenant(request))
 
 
 def _dtype_name(dtype) -> str:

@@ -194,7 +194,8 @@ class Saver:
                 written[g] += size
 
             records = job.records[g] if job.records else {}
-            stored += self.cache.store_spans(spaces[g], spans, fill, [records.get((s.start, s.end), b"") for s in spans]) if spans else 0
+            records_of = [records.get((s.start, s.end), b"") for s in spans]
+            stored += self.cache.store_spans(spaces[g], spans, fill, records_of, job.scope.tenant) if spans else 0
         if not stored and not self.cache.key_store.reachable:  # the server went away: the client dropped it
             worker.stats.dropped_saves += 1
             return
