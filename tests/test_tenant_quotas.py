@@ -306,7 +306,7 @@ def test_server_scopes_eviction_to_each_tenant_and_reports_them(tmp_path):
               {"tenant": "b", "tier": "memory", "guaranteed_gb": 32 * slot / GB}]
     adapter = {"type": "fs", "base_path": str(tmp_path / "l2"), "max_capacity_gb": 0.01, "write_admission": "all"}
     flags = ["--l2-adapter", json.dumps(adapter), *[f for q in quotas for f in ("--tenant-quota", json.dumps(q))]]
-    server = ServerProcess(tmp_path, *flags, l1_gb=1 / 1024).start()  # L1: 64 objects
+    server = ServerProcess(tmp_path, *flags, l1_gb=1 / 1024).start(timeout=60)  # L1: 64 objects
     a, b = KvtierClient(server.url, timeout_s=5), KvtierClient(server.url, timeout_s=5, use_shared_memory=False)
 
     def written_below() -> bool:  # an object queued for the disk is pinned in L1 until written
@@ -347,7 +347,7 @@ def test_server_scopes_eviction_to_each_tenant_and_reports_them(tmp_path):
         assert 'tenant="zz"' not in metrics
         disk_before = tenants(1)
         server.stop()
-        server.start()
+        server.start(timeout=60)
         after = tenants(1)
         assert [after[n]["objects"] for n in ("a", "b", "default")] == [disk_before[n]["objects"] for n in ("a", "b", "default")]
         assert after["a"]["used_bytes"] == 8 * on_disk
