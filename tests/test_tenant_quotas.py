@@ -95,6 +95,26 @@ def test_tenant_over_its_max_on_disk_evicts_its_own_objects_first(tmp_path):
         t.close()
 
 
+def test_a_slot_reserved_ahead_becomes_its_tenants_when_bound():
+    """Slots a client reserves ahead are the default tenant's until a commit names their object;
+    binding one to a tenant at its max evicts the tenant's own oldest, or is refused."""
+    t = memory(8, quota("a", "memory", max_bytes=2 * PAGE))
+    put(t, 1, "a"), put(t, 2, "a")
+    ahead = [t.reserve(key(1000 + i), OBJECT) for i in range(2)]  # placeholders, unnamed yet
+    assert held(t, "default")["objects"] == 2
+    bound = t.bind(ahead[0], key(3), OBJECT, tenant="a")
+    bound.view[:] = obj(3, TOKENS)
+    t.commit(bound)
+    assert owners(t, [1, 2, 3]) == {2: "a", 3: "a"} and held(t, "default")["objects"] == 1
+    leases = [t.lease(key(2)), t.lease(key(3))]
+    assert t.bind(ahead[1], key(4), OBJECT, tenant="a") is None  # its own are read: refused, counted
+    assert held(t, "a")["refused_puts"] == 1 and held(t, "default")["objects"] == 1
+    t.abort(ahead[1])
+    assert held(t, "default")["objects"] == 0 and held(t, "a")["used_bytes"] == 2 * PAGE
+    for lease in leases:
+        t.release(lease)
+
+
 # -- guarantees: nobody is evicted below them --------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 A = _tokens(1, 512) + _tokens(3, 24)  # 2 chunks and a tail of 24 tokens: 3 objects
 B = _tokens(2, 1024) + _tokens(3, 24)  # 5 objects
-QUOTAS = [{"tenant": "team-a", "tier": "memory", "max_gb": 0.1}, {"tenant": "team-b", "tier": "disk", "guaranteed_gb": 0.1}]
+QUOTAS = [{"tenant": "team-a", "tier": "memory", "max_gb": 0.02}, {"tenant": "team-b", "tier": "disk", "guaranteed_gb": 0.1}]
 
 
 @pytest.mark.vllm
@@ -46,7 +46,7 @@ def test_requests_of_two_tenants_are_accounted_apart(tiny_model_path, tmp_path):
         memory = tenants(0)
         assert (memory["team-a"]["objects"], memory["team-b"]["objects"]) == (3, 5), memory
         assert memory["other"]["objects"] == 0  # (the default tenant's: slots the client reserved ahead)
-        assert memory["team-a"]["max_bytes"] == int(0.1 * (1 << 30)) and memory["team-b"]["max_bytes"] is None
+        assert memory["team-a"]["max_bytes"] == int(0.02 * (1 << 30)) and memory["team-b"]["max_bytes"] is None
         wait_until(lambda: (tenants(1)["team-a"]["objects"], tenants(1)["team-b"]["objects"]) == (3, 5))
         [again] = engine.generate([A], max_tokens=1)  # another tenant's request hits them all the same
         assert again["num_cached_tokens"] >= 512
