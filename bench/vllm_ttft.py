@@ -38,8 +38,9 @@ KV comes from kvtier), drawn as a PNG. Every number comes from this run; the mac
 average is printed with them, because on a shared machine it moves them. Prints a table and, as
 the last line, one JSON object; ``--check`` exits 1 when a target is missed. ``--quick`` takes
 12 contexts (12 samples of A, B and the floor in pass 2, 12 of pass 1), 6 misses and 3 contexts
-per sweep length, so that two consecutive runs agree within 10% on every ratio (docs/vllm.md,
-"Measuring", has the pairs of runs); about three minutes on an idle 2-core machine.
+per sweep length (more samples than before, aimed at two consecutive runs agreeing within 10% on
+every ratio; not yet checked, docs/vllm.md "Measuring"); about three minutes on an idle 2-core
+machine.
 ``--scenario slow-remote``: load or recompute (docs/policies.md). Three engines, vLLM's prefix
 cache off in each: A vLLM alone; ON and OFF, vLLM + kvtier embedded with an L1 of four contexts
 and a half and a Redis lower tier behind a throttling proxy (``--remote-mb-per-s``, set after

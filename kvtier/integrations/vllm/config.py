@@ -24,7 +24,7 @@ from kvtier.tiers.memory import L1Config
 
 PREFIX = "kvtier."
 #: Where an asynchronous load starts to pay (measured in docs/vllm.md, "Asynchronous loads")
-ASYNC_LOAD_MIN_TOKENS = 16384
+ASYNC_LOAD_MIN_TOKENS = 4096
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 
