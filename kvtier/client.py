@@ -72,6 +72,24 @@ class _Ahead:
     use_by: float  # monotonic time past which it is not lent out (half the server's lease timeout)
 
 
+class _FailingOpen:
+    """``KvtierClient._failing_open``: a context manager without a generator per call (a round
+    trip's overhead is counted in microseconds)."""
+
+    __slots__ = ("client",)
+
+    def __init__(self, client: "KvtierClient") -> None:
+        self.client = client
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None:
+            self.client._on_failure(exc)  # raises the Unavailable it stands for, or returns to re-raise
+        return False
+
+
 def _remaining_ms(deadline: float) -> int:
     remaining = int((deadline - time.monotonic()) * 1000)
     if remaining <= 0:
@@ -117,11 +135,13 @@ class KvtierClient:
         self.reserve_ahead_bytes = reserve_ahead_bytes
         self._lease_timeout_s = 0.0
         self._pool: deque[_Ahead] = deque()  # slots reserved ahead, not lent out
+        self._pool_target = 0  # the most objects one store held
         self._lent: dict[int, _Ahead] = {}  # slots of the pool in reservations not committed yet
         self._done: list[int] = []  # handles to give back with the next request
         self._done_changed = threading.Condition(self._lock)
         self._flusher: threading.Thread | None = None
         self._closed = False
+        self._failing_open_guard = _FailingOpen(self)
 
     # -- connection --------------------------------------------------------------------------
 
@@ -129,6 +149,7 @@ class KvtierClient:
         """A fresh REQ socket and a hello (a timed-out REQ socket cannot be reused)."""
         sock = self._context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))  # a send waits only for a peer to connect
         if self.curve is not None:
             self.curve.apply(sock)
         sock.connect(self.url)
@@ -164,17 +185,21 @@ class KvtierClient:
         ZeroMQ one does)."""
         sock = self._socket
         try:
-            sock.setsockopt(zmq.SNDTIMEO, _remaining_ms(deadline))
-            sock.send_multipart([p.encode(request), *frames], copy=False)  # kept alive until sent
+            if frames:
+                sock.send_multipart([p.encode(request), *frames], copy=False)  # kept alive until sent
+            else:
+                sock.send(p.encode(request))
             sock.setsockopt(zmq.RCVTIMEO, _remaining_ms(deadline))
-            parts = sock.recv_multipart(copy=False)
+            head = sock.recv()
+            # object frames without a copy (a small reply is cheaper as bytes)
+            parts = sock.recv_multipart(copy=False) if sock.getsockopt(zmq.RCVMORE) else ()
         except zmq.Again:
             raise TimeoutError from None
-        reply = p.decode_reply(parts[0].buffer)
+        reply = p.decode_reply(head)
         if isinstance(reply, p.Error):
             error = StaleArena if reply.code == "stale-arena" else Unavailable
             raise error(f"{reply.code}: {reply.message}")
-        return reply, [part.buffer for part in parts[1:]]
+        return reply, [part.buffer for part in parts]
 
     def _call(self, request, frames: Sequence = (), deadline: float | None = None) -> tuple[object, list]:
         """One request and its reply within the deadline, or Unavailable. ``request`` may be a
@@ -197,23 +222,24 @@ class KvtierClient:
         if self._socket is None:
             self._connect(deadline)
 
-    @contextlib.contextmanager
-    def _failing_open(self):
+    def _failing_open(self) -> "_FailingOpen":
         """Turns every failure into Unavailable, after dropping what it left broken."""
-        try:
-            yield
-        except TimeoutError:
+        return self._failing_open_guard
+
+    def _on_failure(self, exc: BaseException) -> None:
+        """Raise the Unavailable that ``exc`` (raised inside ``_failing_open``) stands for."""
+        if isinstance(exc, TimeoutError):
             self.stats.timeouts += 1
             self._failed()
             raise Unavailable(f"no answer from {self.url} in time") from None
-        except StaleArena:
+        if isinstance(exc, StaleArena):
             self.stats.server_errors += 1
             self._drop_socket()  # the server restarted: hello again
-            raise
-        except Unavailable:
+            return
+        if isinstance(exc, Unavailable):
             self.stats.server_errors += 1
-            raise
-        except (zmq.ZMQError, ValueError, TypeError) as exc:  # a reply that does not decode, a socket error
+            return
+        if isinstance(exc, (zmq.ZMQError, ValueError, TypeError)):  # a reply that does not decode, a socket error
             self.stats.server_errors += 1
             self._failed()
             raise Unavailable(f"{type(exc).__name__}: {exc}") from None
@@ -229,7 +255,7 @@ class KvtierClient:
         with self._lock:
             self._closed = True
             self._done_changed.notify_all()
-            handles = [slot.slot for slot in self._pool] + self._done
+            handles = [slot.slot for slot in self._pool] + list(self._lent) + self._done
             self._forget_handles()
             if handles and self._socket is not None:
                 with contextlib.suppress(Unavailable):
@@ -332,8 +358,9 @@ class KvtierClient:
     def reserve(
         self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
     ) -> list[Reservation | None]:
-        """Slots in the server's arena (one round trip) where this process maps it; otherwise
-        buffers here, sent as frames by ``commit``. Nothing (a dropped store) while unreachable."""
+        """Slots in the server's arena where this process maps it (from the pool of slots
+        reserved ahead, then one round trip for the rest); otherwise buffers here, sent as
+        frames by ``commit``. Nothing (a dropped store) while unreachable."""
         if not items:
             return []
         deadline = time.monotonic() + self.timeout_s
@@ -398,13 +425,14 @@ class KvtierClient:
         return out
 
     def _ahead_wanted(self, sizes: list[int]) -> list[int]:
-        """The slots to reserve ahead so that the pool holds what a store like this one needs
-        (as many slots as it has objects, each as big as its largest), within
+        """The slots to reserve ahead so that the pool holds what the biggest store so far
+        needed (as many slots as it had objects, each as big as the largest object seen), within
         ``reserve_ahead_bytes``."""
         if not sizes or self._arena is None:
             return []
         size = max(max(sizes), max((a.size for a in self._pool), default=0))
-        count = min(len(sizes), self.reserve_ahead_bytes // size) - len(self._pool)
+        self._pool_target = max(self._pool_target, len(sizes))
+        count = min(self._pool_target, self.reserve_ahead_bytes // size) - len(self._pool)
         return [size] * max(0, count)
 
     def _add_ahead(self, reply, sizes: list[int]) -> None:

@@ -295,11 +295,9 @@ class KvtierServer:
 def _drain(sock: zmq.Socket, handle: Callable[[list], None]) -> None:
     """Every message ``sock`` holds now, to ``handle`` (bounded: the other sockets get a turn)."""
     for _ in range(64):
-        try:
-            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             return
-        handle(parts)
+        handle(sock.recv_multipart(copy=False))
 
 
 def run(config: ServerConfig) -> int:

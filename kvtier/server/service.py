@@ -1,5 +1,6 @@
 """What the server does with each request: the handler table for the messages of
-``kvtier.wire.protocol``, over the store's key-store protocol (``keystore.KeyStore``) only.
+``kvtier.wire.protocol``, over the store's key-store protocol (``keystore.KeyStore``), and
+``TieredStore.bind`` for the slots clients reserve ahead (unnamed until their commit).
 
 Thread-safe: the server's front thread and its worker threads call ``handle`` at once (the
 front thread only for requests ``answers_from_memory`` names). Leases and reservations handed to
@@ -301,7 +302,7 @@ class CacheService:
                 bound = self.store.bind(reservation, key, header.object_size, record, request.tenant)
                 if bound is None:  # stored (or being stored) by another writer meanwhile, too big, over its tenant's max
                     self.store.abort([reservation])
-                    committed.append(header.object_size <= len(reservation.view) and self.store.l1.contains([key])[0])
+                    committed.append(header.object_size <= len(reservation.view) and self.store.l1.contains([key])[0])  # in L1 now
                     continue
                 reservation = bound
             committed.extend(self.store.commit([reservation]))
