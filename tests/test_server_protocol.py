@@ -18,6 +18,7 @@ from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient, Unavailable
 from kvtier.config import ServerConfig, convert
 from kvtier.server.main import KvtierServer
+from kvtier.server.service import AHEAD_SHARE_OF_L1
 from kvtier.wire import protocol as p
 from kvtier_testing.data_port_junk import dealer, pong_through, send_raw, zmtp1_without_envelope
 from kvtier_testing.kvtier_processes import free_port
@@ -412,6 +413,28 @@ def test_bad_expired_and_misused_handles_are_refused_or_ignored():
         server.service.expire()
         assert client._call(p.Commit(slots=late.ahead_slots, keys=[span.key]))[0].committed == [False]
         client.close()
+    finally:
+        server.stop()
+
+
+def test_slots_reserved_ahead_never_hold_more_than_their_share_of_l1():
+    """However big a client's stores and its own pool limit, the pools hold at most
+    AHEAD_SHARE_OF_L1 of L1 (the rest is the cache's); a store larger than the pool still
+    stores whole, its other slots reserved by key."""
+    server = start_server()
+    try:
+        client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=1 << 30)
+        cache = TokenCache(client)
+        limit = server.store.l1.capacity * AHEAD_SHARE_OF_L1
+        chunks = 700  # objects of 4 KiB and a header: 2.9 MB, over an eighth of the 20 MB L1
+        for i in range(2):
+            toks = tokens(100_000 + 10_000 * i, 16 * chunks)
+            assert cache.store(NS, toks, fill_for(toks)) == chunks
+            assert 0 < server.service.status()["reserved_ahead_bytes"] <= limit
+        with cache.retrieve(NS, toks) as r:
+            assert r.num_tokens == 16 * chunks and retrieved_is_exact(r, toks)
+        client.close()
+        assert server.service.status()["reserved_ahead_bytes"] == 0
     finally:
         server.stop()
 

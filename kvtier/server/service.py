@@ -48,6 +48,10 @@ class _Held:
     ahead: bool = False  # reserved ahead: its key is a placeholder until the commit names it
 
 
+#: The most of L1 that slots reserved ahead may hold, all clients' pools together: a pool saves
+#: a store its round trip, it must not take the cache's room (nor, on a small L1, all of it).
+AHEAD_SHARE_OF_L1 = 1 / 8
+
 #: Requests that only touch memory (metadata of L1 and of the handles kept here): the front
 #: thread answers them itself, without the two hops to a worker thread and back.
 _MEMORY_OPS = frozenset({"hello", "ping", "reserve", "commit", "abort", "release"})
@@ -79,6 +83,8 @@ class CacheService:
         # from a random start: a handle of a server that has since restarted names nothing here
         self._ids = itertools.count(secrets.randbelow(1 << 62) + 1)
         self._next_deadline = float("inf")  # the earliest deadline held (expire is a no-op before it)
+        self._ahead_bytes = 0  # held in slots reserved ahead (claimed before they are reserved)
+        self._ahead_limit = int(store.l1.capacity * AHEAD_SHARE_OF_L1)
         self._lock = threading.Lock()
         self._per_op: dict[str, tuple] = {}  # each op's request counter and latency histogram
         self._memory_only = all(tier.medium.value == "memory" for tier in store.tiers)
@@ -147,7 +153,14 @@ class CacheService:
 
     def _take(self, ident: int) -> _Held | None:
         with self._lock:
-            return self._held.pop(ident, None)
+            return self._pop(ident)
+
+    def _pop(self, ident: int) -> _Held | None:
+        """Forget a handle (the caller holds the lock); a slot reserved ahead gives back its room."""
+        held = self._held.pop(ident, None)
+        if held is not None and held.ahead:
+            self._ahead_bytes -= len(held.reservation.view)
+        return held
 
     def expire(self) -> None:
         """Release leases and abort reservations whose deadline has passed (called after every
@@ -157,7 +170,7 @@ class CacheService:
             return
         with self._lock:
             late = [i for i, held in self._held.items() if held.deadline < now]
-            expired = [self._held.pop(i) for i in late]
+            expired = [self._pop(i) for i in late]
             self._next_deadline = min((held.deadline for held in self._held.values()), default=float("inf"))
         for held in expired:
             self._end(held)
@@ -258,13 +271,20 @@ class CacheService:
                                           ahead_offsets=ahead_offsets))
 
     def _reserve_ahead(self, sizes: list[int]) -> tuple[list[int], list[int]]:
-        """Unnamed slots of these sizes, as many as there is room for: (ids, arena offsets). Each
+        """Unnamed slots of these sizes, as many as there is room for within
+        ``AHEAD_SHARE_OF_L1``: (ids, arena offsets). Each
         is reserved under a random placeholder key, which no reader asks for (and an uncommitted
         slot is invisible anyway) until the commit that names its object binds the real key."""
         idents, offsets = [], []
         for size in sizes:
+            with self._lock:
+                if self._ahead_bytes + size > self._ahead_limit:
+                    break  # AHEAD_SHARE_OF_L1: the client's next store reserves by key instead
+                self._ahead_bytes += size
             [reservation] = self.store.reserve([(secrets.token_bytes(32), size)]) or [None]
             if reservation is None:
+                with self._lock:
+                    self._ahead_bytes -= size
                 break
             idents.append(self._hold(_Held(self._deadline(), reservation=reservation, ahead=True)))
             offsets.append(reservation.offset)
@@ -324,7 +344,7 @@ class CacheService:
             held = self._held.get(ident)
             if held is None or held.reservation is None:
                 return None
-            return self._held.pop(ident)
+            return self._pop(ident)
 
     def _put(self, request: p.Put, frames: list) -> Response:
         if len(frames) != len(request.keys):
@@ -411,6 +431,7 @@ class CacheService:
         with self._lock:
             held = len(self._held)
             ahead = sum(h.ahead for h in self._held.values())
+            ahead_bytes = self._ahead_bytes
         return {
             "version": __version__,
             "uptime_s": round(time.time() - self.started, 3),
@@ -420,6 +441,7 @@ class CacheService:
             "store": msgspec.to_builtins(self.store.stats),
             "leases_and_reservations": held,
             "reserved_ahead": ahead,  # of those, slots in clients' pools
+            "reserved_ahead_bytes": ahead_bytes,  # at most AHEAD_SHARE_OF_L1 of L1
             "traffic": self.metrics.traffic(),
             **self.status_extra(),
         }
