@@ -96,24 +96,40 @@ def test_uncuttable_hit_loads_all_or_nothing():
     assert costs.cut(["L1"] * 8, CHUNK, 0, 8 * CHUNK, now=1.0, partial=False).end == 8 * CHUNK
 
 
-def test_skipped_tier_is_probed_and_used_again_once_fast():
+def test_skipped_tier_is_probed_beside_the_request_and_used_again_once_fast():
     costs = measured({"redis": (0.05, 2e-4)}, probe_s=30.0)
     tiers = ["redis"] * 8
-    assert costs.cut(tiers, CHUNK, 0, 8 * CHUNK, now=10.0).end == 0
-    now = 31.0  # no figure of the tier for longer than probe_s: one chunk is read to measure it
+    skip = costs.cut(tiers, CHUNK, 0, 8 * CHUNK, now=10.0)
+    assert skip.end == 0 and skip.probe is None
+    now = 31.0  # no figure of the tier for longer than probe_s: the chunk past the cut is probed,
     probe = costs.cut(tiers, CHUNK, 0, 8 * CHUNK, now=now)
-    assert probe.end == CHUNK and probe.probes == 1 and probe.skipped_chunks == {"redis": 7}
+    # and the request still computes it: the cut stays where the skip put it
+    assert probe.end == 0 and probe.probe == ("redis", 0) and probe.skipped_chunks == {"redis": 8}
+    assert costs.cut(tiers, CHUNK, 2 * CHUNK, 8 * CHUNK, now=now).probe is None  # one in flight per tier
+    lost = costs.cut(tiers, CHUNK, 2 * CHUNK, 8 * CHUNK, now=now + 31.0)  # its report never came: again
+    assert lost.end == 2 * CHUNK and lost.probe == ("redis", 2 * CHUNK)
+    now += 31.0
     rounds = 0
-    while costs.cut(tiers, CHUNK, 0, 8 * CHUNK, now=now).end < 8 * CHUNK:
-        assert costs.cut(tiers, CHUNK, 0, 8 * CHUNK, now=now).probes == 1
-        costs.observe_load(LoadSample("redis", CHUNK, CHUNK * 1024, 1e-4 + 1e-8 * CHUNK), now)  # fast now
-        now += 31.0
-        rounds += 1
-    assert rounds <= 3
-    # and a tier that is still slow stays skipped after its probe
+    while True:  # each probe's sample (the tier is fast now) refreshes the estimate
+        costs.observe_load(LoadSample("redis", CHUNK, CHUNK * 1024, 1e-4 + 1e-8 * CHUNK), now)
+        now, rounds = now + 31.0, rounds + 1
+        cut = costs.cut(tiers, CHUNK, 0, 8 * CHUNK, now=now)
+        if cut.end == 8 * CHUNK:
+            break
+        assert cut.end == 0 and cut.probe == ("redis", 0)
+    assert rounds <= 3 and cut.probe is None
+    # and a tier that is still slow stays skipped after its probe's sample, with no probe due
     costs = measured({"redis": (0.05, 2e-4)}, probe_s=30.0)
-    costs.observe_load(LoadSample("redis", CHUNK, CHUNK * 1024, 0.05 + 2e-4 * CHUNK), 31.0)
-    assert costs.cut(tiers, CHUNK, 0, 8 * CHUNK, now=32.0).end == 0
+    assert costs.cut(tiers, CHUNK, 0, 8 * CHUNK, now=31.0).probe == ("redis", 0)
+    costs.observe_load(LoadSample("redis", CHUNK, CHUNK * 1024, 0.05 + 2e-4 * CHUNK), 31.5)
+    after = costs.cut(tiers, CHUNK, 0, 8 * CHUNK, now=32.0)
+    assert after.end == 0 and after.probe is None
+
+
+def test_a_probe_of_a_hit_that_cannot_be_cut_loads_nothing():
+    costs = measured({"redis": (0.05, 2e-4)}, probe_s=30.0)
+    cut = costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=31.0, partial=False)
+    assert cut.end == 0 and cut.probe == ("redis", 0)
 
 
 def test_worker_metadata_merges_ranks():

@@ -354,6 +354,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     #: vLLM scheduled no token this step (requests wait for their loads, at most): the worker
     #: may wait a moment for a load to finish instead of letting vLLM spin (loader.py)
     idle: bool = False
+    #: reads of one chunk of a tier skipped for being slow, on a worker thread and copied
+    #: nowhere (no ``block_ids``), timed for load_costs.py: no request waits for them
+    probes: list[LoadJob] = field(default_factory=list)
 
 
 # -- worker -> scheduler, every step --------------------------------------------------------------

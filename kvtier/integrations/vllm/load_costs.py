@@ -18,8 +18,12 @@ every ``half_life_s`` seconds, so they follow a tier (or the machine) whose spee
   than an early one.
 
 No figure yet means load (a tier never measured, an engine that has not prefilled yet). A tier
-whose last sample is older than ``probe_s`` is loaded from again, one chunk, so that a tier
-that became fast is used again (the probe's sample outweighs the older ones ten to one).
+skipped whose last sample is older than ``probe_s`` is probed: the request still computes past
+the cut, and the cut names the chunk there (``Cut.probe``) for a worker to read beside the
+engine, copied nowhere and timed like a load (loader.py), so a tier that became fast is used
+again (the probe's sample outweighs the older ones ten to one) and no request waits on a slow
+one. One probe per tier is in flight at a time (until a sample of the tier comes, or
+``probe_s`` passes: a probe whose report was lost).
 """
 
 from __future__ import annotations
@@ -123,7 +127,9 @@ class Cut:
     end: int
     skipped_tokens: Counter = field(default_factory=Counter)
     skipped_chunks: Counter = field(default_factory=Counter)
-    probes: int = 0  # stale tiers loaded from to be measured again
+    #: (tier, first token) of a chunk past the cut to read off the request's path, the tier
+    #: not measured for ``probe_s``; None: no probe due
+    probe: tuple[str, int] | None = None
 
 
 class LoadOrRecompute:
@@ -133,12 +139,14 @@ class LoadOrRecompute:
         self.half_life_s = half_life_s
         self.probe_s = probe_s
         self.tiers: dict[str, TierCost] = {}
+        self._probing: dict[str, float] = {}  # tier -> when its probe in flight was asked for
         # step seconds ~ overhead + a * tokens + b * position sum
         self.prefill = DecayingFit((1.0, 1024.0, 2.0**20), half_life_s, math.inf)
 
     # -- measurements --------------------------------------------------------------------------
 
     def observe_load(self, sample: LoadSample, now: float) -> None:
+        self._probing.pop(sample.tier, None)
         tier = self.tiers.get(sample.tier)
         if tier is None:
             tier = self.tiers[sample.tier] = TierCost(DecayingFit((1.0, 1024.0), self.half_life_s, self.probe_s))
@@ -185,14 +193,14 @@ class LoadOrRecompute:
                     best, best_cost = e, load + rest
         elif candidates[-1][1] <= compute_all:
             best = hit
-        probes = 0
+        result = Cut(best)
         if best < hit:
-            # the chunk past the cut comes from a tier not measured for a while: load it (all of
-            # the hit where it cannot be cut) so that the tier is measured again
+            # the chunk past the cut comes from a tier not measured for a while: probe it there
             after = chunk_tiers[starts.index(best)]
-            if now - self._last_sample(after) > self.probe_s:
-                best, probes = (ends[starts.index(best)] if partial else hit), 1
-        result = Cut(best, probes=probes)
+            stale = now - self._last_sample(after) > self.probe_s
+            if stale and now - self._probing.get(after, -math.inf) > self.probe_s:
+                self._probing[after] = now
+                result.probe = (after, best)
         for s, e, tier in zip(starts, ends, chunk_tiers):
             if s >= best:
                 result.skipped_tokens[tier] += e - s

@@ -17,6 +17,10 @@ until it is reported too. The loader thread writes only those blocks. It has its
 connection (a synchronous load never queues behind it on one socket) and its own copy channel
 (``PagedKV.twin``: on CUDA its own stream and event).
 
+A probe job (load_costs.py) is a retrieve of one chunk of a tier skipped for being slow, on its
+own thread and key-store connection (a slow read delays no load), released uncopied; its timing
+is reported like a load's.
+
 A load that comes back short (an object evicted since the lookup, a server gone, a refused
 object) is reported so vLLM recomputes what is missing (``kv_load_failure_policy: recompute``):
 for a model with one KV-cache group the blocks not filled, from the first one missing
@@ -53,10 +57,13 @@ IDLE_WAIT_S = 0.005
 
 
 class Loader:
-    def __init__(self, worker: "KvtierWorker", cache: TokenCache, async_cache: TokenCache) -> None:
+    def __init__(self, worker: "KvtierWorker", cache: TokenCache, async_cache: TokenCache,
+                 probe_cache: TokenCache | None = None) -> None:
         self.worker = worker
         self.cache = cache  # the engine thread's
         self.async_cache = async_cache  # the loader thread's
+        self.probe_cache = probe_cache  # the probe thread's
+        self._prober = ThreadPoolExecutor(1, "kvtier-probe") if probe_cache is not None else None
         self.pages: list[PagedKV] = worker.pages  # the engine thread's (shared with saves' copies out)
         self.async_pages = [p.twin() for p in worker.pages]
         # releases can be round trips to a server: off the engine's path
@@ -98,6 +105,12 @@ class Loader:
                 self._report(job, done, time.perf_counter() - started, samples)
         self._step_load_s = time.perf_counter() - step_started
 
+    def probe(self, jobs: list[LoadJob]) -> None:
+        """Queue the step's probe jobs on the probe thread."""
+        if self._prober is not None:
+            for job in jobs:
+                self._prober.submit(self._run_probe, job)
+
     def wait_for_layer(self, layer_name: str) -> None:
         if self._layers is not None:
             self._layers.wait(layer_name)
@@ -128,6 +141,8 @@ class Loader:
             return step, samples
 
     def close(self) -> None:
+        if self._prober is not None:
+            self._prober.shutdown(wait=True, cancel_futures=True)
         self._thread.shutdown(wait=True)
         self._releaser.shutdown(wait=True)
 
@@ -141,10 +156,24 @@ class Loader:
         finally:  # whatever happened, the request is reported: vLLM waits for it
             self._report(job, done, time.perf_counter() - started, samples)
 
-    def retrieve(self, job: LoadJob, cache: TokenCache, g: int, by_tier: dict[str, list[float]]) -> Retrieval:
+    def _run_probe(self, job: LoadJob) -> None:
+        by_tier: dict[str, list[float]] = {}
+        for g in range(len(self.worker.engine.groups)):
+            try:
+                retrieval = self.retrieve(job, self.probe_cache, g, by_tier, count=False)
+            except Exception:
+                log.exception("kvtier: a probe for request %s failed", job.req_id)
+                return
+            self._releaser.submit(retrieval.close)
+        with self._results:
+            self._samples += [LoadSample(tier, int(t), int(b), s) for tier, (t, b, s) in by_tier.items()]
+            self.worker.stats.probes += 1
+
+    def retrieve(self, job: LoadJob, cache: TokenCache, g: int, by_tier: dict[str, list[float]],
+                 count: bool = True) -> Retrieval:
         """The job's objects of group ``g``: one retrieve per run of chunks a tier holds, each
         timed into ``by_tier`` (tier -> [tokens, bytes, seconds], all groups) for load_costs.py;
-        stops at the first run that comes back short."""
+        stops at the first run that comes back short. ``count``: into the loads' ``retrieve_s``."""
         spaces = self.worker.namespaces.get(self.worker.tp_rank, job.scope)
         chunk = cache.chunk_size or 1
         spans = job.spans[self.worker.tp_rank][g]
@@ -169,7 +198,8 @@ class Loader:
                 self._releaser.submit(retrieval.close)
             raise
         finally:
-            self.worker.stats.retrieve_s += time.perf_counter() - asked
+            if count:
+                self.worker.stats.retrieve_s += time.perf_counter() - asked
         if len(retrievals) == 1:
             return retrievals[0]
         return Retrieval([c for r in retrievals for c in r.chunks], lambda: [r.close() for r in retrievals])

@@ -60,7 +60,7 @@ FIGURES = (
            " being slower by the connector's measurements (load_or_recompute), by the tier that held them", label=TIER_LABEL),
     Figure("recomputed_chunks", "recomputed_chunks_by_tier", "Chunks kvtier held but vLLM computed, loading them being"
            " slower (load_or_recompute), by the tier that held them", label=TIER_LABEL),
-    Figure("load_probes", "load_probes", "Loads from a tier skipped for being slow, to measure it again (load_probe_s)"),
+    Figure("load_probes", "load_probes", "Reads of one chunk of a tier skipped for being slow, beside the engine, to measure it again (load_probe_s)"),
     Figure("lookups", "lookups", "Prompt lookups kvtier answered"),
     Figure("lookup_seconds", "lookup_s", "Time the scheduler spent on kvtier lookups"),
     Figure("deferred_lookups", "deferred", "Lookups answered 'not yet': the prompt's next chunk was being saved"),

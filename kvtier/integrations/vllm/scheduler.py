@@ -138,7 +138,7 @@ class SchedulerStats:
     # hit tokens and chunks computed instead, loading them being slower (load_costs.py), by tier
     recomputed_by_tier: Counter = field(default_factory=Counter)
     recomputed_chunks_by_tier: Counter = field(default_factory=Counter)
-    load_probes: int = 0  # loads from a skipped tier to measure it again
+    load_probes: int = 0  # probe jobs: reads of a skipped tier, beside the engine, to measure it again
 
     def as_dict(self) -> dict:
         return {name: dict(value) if isinstance(value, Counter) else value for name, value in vars(self).items()}
@@ -166,6 +166,7 @@ class KvtierScheduler:
         self._keys: dict[ReqId, list[list[PrefixKeys]]] = {}  # per request, TP rank and group: hashed once
         self._waiting: dict[ReqId, _Waiting] = {}
         self._loads: list[LoadJob] = []
+        self._probes: list[LoadJob] = []  # reads of skipped tiers, to measure them (load_costs.py)
         self._history: list[SaveJob] = []  # history jobs of finished requests, for the next step
         self._next_job = 1
         self._in_flight: dict[int, _InFlight] = {}
@@ -242,7 +243,7 @@ class KvtierScheduler:
         if self.engine.whole_prompt_loads and min(hit, len(prompt) - 1) < len(prompt) - 1:
             hit = 0  # this engine cannot prefill the rest after loaded context (EngineLayout)
         # past the cut the hit is computed, and stored again: into L1, where the next hit is fast
-        hit = self._worth_loading(tiers, chunk, num_computed_tokens, hit)
+        hit = self._worth_loading(request.request_id, scope, tiers, spans, chunk, num_computed_tokens, hit)
         load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
         asynchronous = self._loads_async(load)
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans, asynchronous)
@@ -255,21 +256,37 @@ class KvtierScheduler:
         and only on that path; see worker.py)."""
         return load > 0 and (len(self.engine.groups) > 1 or load >= self.config.async_load_min_tokens)
 
-    def _worth_loading(self, tiers: list[str], chunk: int, start: int, hit: int) -> int:
-        """Where to cut the hit: past it, computing is faster than loading (load_costs.py)."""
+    def _worth_loading(self, req_id: ReqId, scope: RequestScope, tiers: list[str],
+                       spans: list[list[list[ChunkSpan]]], chunk: int, start: int, hit: int) -> int:
+        """Where to cut the hit: past it, computing is faster than loading (load_costs.py). A
+        probe of a skipped tier becomes a probe job of the next step's metadata."""
         if self.costs is None or hit <= start:
             return hit
         cuttable = all(g.retention == "all" for g in self.engine.groups) and not self.engine.whole_prompt_loads
         cut = self.costs.cut(tiers, chunk, start, hit, time.monotonic(), cuttable)
         self.stats.recomputed_by_tier.update(cut.skipped_tokens)
         self.stats.recomputed_chunks_by_tier.update(cut.skipped_chunks)
-        self.stats.load_probes += cut.probes
+        if cut.probe is not None:
+            self._probes.append(self._probe_job(req_id, scope, tiers, spans, chunk, cut.probe[1], hit))
+            self.stats.load_probes += 1
         skipped = set(cut.skipped_tokens)
         for tier in skipped ^ (self._skipped_tiers & set(tiers)):  # started or stopped being skipped
             log.info("kvtier: %s tier %s: %s", "skipping" if tier in skipped else "loading from", tier,
                      self.costs.figures()["tiers"].get(tier))
         self._skipped_tiers = (self._skipped_tiers - set(tiers)) | skipped
         return cut.end
+
+    def _probe_job(self, req_id: ReqId, scope: RequestScope, tiers: list[str],
+                   spans: list[list[list[ChunkSpan]]], chunk: int, first: int, hit: int) -> LoadJob:
+        """A job that reads the attention objects of the chunk at ``first`` (one tier holds them)
+        and copies them nowhere: no blocks."""
+        index = first // chunk
+        probe_spans = [
+            [[s for s in group_spans if s.start // chunk == index] if group.retention != "state" else []
+             for group, group_spans in zip(self.engine.groups, rank_spans)]
+            for rank_spans in spans
+        ]
+        return LoadJob(req_id, scope, probe_spans, first, min(first + chunk, hit), [], tiers)
 
     def _request_keys(self, req_id: ReqId, scope: RequestScope, prompt, chunk: int) -> list[list[PrefixKeys]]:
         """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
@@ -406,8 +423,8 @@ class KvtierScheduler:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history, timed_step=self._time_step(scheduler_output),
-                                       idle=not scheduler_output.total_num_scheduled_tokens)
-        self._loads, self._history = [], []
+                                       idle=not scheduler_output.total_num_scheduled_tokens, probes=self._probes)
+        self._loads, self._history, self._probes = [], [], []
         if not self.config.save or not self._requests:
             return meta
         chunk = self.chunk_size()

@@ -51,6 +51,7 @@ class WorkerStats:
     load_s: float = 0.0  # on the engine's path: retrieve + copy (synchronous loads)
     async_loads: int = 0  # of ``loads``: on the loader thread, beside the engine's steps
     async_load_s: float = 0.0  # their time, off the engine's path
+    probes: int = 0  # probe jobs read (and released uncopied) on the probe thread
     retrieve_s: float = 0.0
     stage_s: float = 0.0  # on the engine's path: copying pages out of vLLM's blocks
     saves: int = 0
@@ -84,6 +85,8 @@ class KvtierWorker:
         self._loads = open_cache(config) if config.load else None
         self._async_loads = open_cache(config) if config.load else None
         self._saves = open_cache(config) if config.save else None
+        # and one for probes of slow tiers (loader.py), connected on its first probe
+        self._probes = open_cache(config) if config.load and config.load_or_recompute else None
         # connect (and map the server's arena) now rather than on the first request's path
         for cache in (self._loads, self._async_loads, self._saves):
             if cache is not None:
@@ -92,7 +95,7 @@ class KvtierWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = [PagedKV(kv_caches, group, self.num_blocks) for group in self.engine.groups]
         if self._loads is not None:
-            self.loader = Loader(self, self._loads, self._async_loads)
+            self.loader = Loader(self, self._loads, self._async_loads, self._probes)
         if self._saves is not None:
             self._saver = Saver(self, self._saves, int(self.config.save_buffer_gb * (1 << 30)))
         log.info(
@@ -111,6 +114,8 @@ class KvtierWorker:
         self._timed_step = metadata.timed_step
         if metadata.loads and self.loader is not None:
             self.loader.start(metadata.loads)
+        if metadata.probes and self.loader is not None:
+            self.loader.probe(metadata.probes)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.loader is not None:
@@ -157,6 +162,6 @@ class KvtierWorker:
             self.loader.close()
         if self._saver is not None:
             self._saver.close()
-        for cache in (self._saves, self._loads, self._async_loads):
+        for cache in (self._saves, self._loads, self._async_loads, self._probes):
             if cache is not None:
                 close_cache(cache)
