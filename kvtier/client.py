@@ -125,7 +125,10 @@ class KvtierClient:
         self.chunk_size: int | None = None  # learned from the server's hello
         self._arena: SharedArena | None = None
         self._arena_id = b""
-        self._context = zmq.Context()
+        # the process's one context, never a context of its own: a client dropped without close()
+        # would leave its context and socket in one garbage cycle, and pyzmq's finaliser of the
+        # context then waits forever for the socket (the collection hangs whichever thread runs it)
+        self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._lock = threading.RLock()
         self._down_until = 0.0
@@ -267,7 +270,6 @@ class KvtierClient:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
-            self._context.term()
 
     # -- the key-store protocol --------------------------------------------------------------
 

@@ -417,6 +417,33 @@ def test_bad_expired_and_misused_handles_are_refused_or_ignored():
         server.stop()
 
 
+_DROPPED_CLIENT = """
+import gc, sys
+from kvtier.client import KvtierClient
+from kvtier.config import ServerConfig, convert
+from kvtier.server.main import KvtierServer
+server = KvtierServer(convert({"store": {"l1": {"size_gb": 0.01}, "chunk_size": 16},
+                               "port": int(sys.argv[1]), "http_port": int(sys.argv[2])}, ServerConfig))
+server.start()
+client = KvtierClient(f"tcp://127.0.0.1:{sys.argv[1]}", timeout_s=5)
+assert client.ping()
+gc.disable()
+del client  # never closed
+gc.collect()
+print("collected", flush=True)
+server.stop()
+"""
+
+
+def test_a_client_dropped_without_close_never_hangs_the_garbage_collector():
+    """A client nobody closed is collected like any object (pyzmq's finaliser of a context that
+    is garbage together with its socket waits for that socket forever: a hang in whichever
+    thread collects)."""
+    out = subprocess.run([sys.executable, "-c", _DROPPED_CLIENT, str(free_port()), str(free_port())],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "collected" in out.stdout, out.stderr[-2000:]
+
+
 def test_slots_reserved_ahead_never_hold_more_than_their_share_of_l1():
     """However big a client's stores and its own pool limit, the pools hold at most
     AHEAD_SHARE_OF_L1 of L1 (the rest is the cache's); a store larger than the pool still
