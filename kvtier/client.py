@@ -106,12 +106,14 @@ class KvtierClient:
         admin_token: str = "",
         curve_secret_key: str | None = None,
         curve_server_key: str | None = None,
-        reserve_ahead_bytes: int = 256 << 20,
+        reserve_ahead_bytes: int = 0,
     ) -> None:
         """``curve_secret_key``: this client's key pair file (NAME.key_secret, mode 0600);
         ``curve_server_key``: the server's public key file (NAME.key). Both or neither.
-        ``reserve_ahead_bytes``: the most arena memory held in slots reserved ahead (0: none; a
-        store then reserves its slots with a round trip of its own)."""
+        ``reserve_ahead_bytes``: the most arena memory held in slots reserved ahead (0, the
+        default: none; a store then reserves its slots with a round trip of its own). Off by
+        default until pooled slots and ``clear`` agree: a pool outlives a clear and takes the
+        room a store after it needs."""
         if not url.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"server url must start with tcp:// or ipc://, got {url!r}")
         if not timeout_s > 0:

@@ -25,6 +25,10 @@ from kvtier_testing.kvtier_processes import free_port
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 
+#: a client pool of slots reserved ahead (off by default: see KvtierClient)
+POOL = 256 << 20
+
+
 def start_server(**overrides) -> KvtierServer:
     config = {"store": {"l1": {"size_gb": 0.02}, "chunk_size": 16}, "port": free_port(), "http_port": free_port()}
     server = KvtierServer(convert({**config, **overrides}, ServerConfig))
@@ -322,7 +326,7 @@ def test_a_store_and_a_load_are_one_round_trip_each_in_steady_state(server, monk
     """Slots come from the client's pool (refilled by each commit) and a release rides on the
     next request: after the first store, a store is one Commit and a load one Retrieve."""
     monkeypatch.setattr("kvtier.client.RELEASE_DELAY_S", 30.0)  # no release sent alone, however slow the machine
-    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
     cache = TokenCache(client)
     first = tokens(80_000, 48)
     assert cache.store(NS, first, fill_for(first)) == 3  # Reserve + Commit; the pool fills
@@ -351,7 +355,7 @@ import sys, time
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient, Unavailable
 from kvtier_testing.workload import NS, fill_for, tokens
-cache = TokenCache(KvtierClient("tcp://127.0.0.1:{server.config.port}", timeout_s=5))
+cache = TokenCache(KvtierClient("tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes={POOL}))
 toks = tokens(0, 64)
 assert cache.store(NS, toks, fill_for(toks)) == 4
 print("stored", flush=True)
@@ -467,7 +471,7 @@ def test_slots_reserved_ahead_never_hold_more_than_their_share_of_l1():
 
 
 def test_a_slot_reserved_ahead_holds_a_smaller_object_and_gives_back_the_rest(server):
-    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
     cache = TokenCache(client)
     full = tokens(90_000, 32)
     assert cache.store(NS, full, fill_for(full)) == 2  # the pool now holds slots of a full chunk
