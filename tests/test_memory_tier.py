@@ -133,6 +133,24 @@ def test_delete_of_a_pinned_object_waits_for_its_reader():
     assert t.usage().used_bytes == 0
 
 
+def test_a_cleared_key_a_reader_still_holds_takes_a_new_object_at_once():
+    """A clear (or eviction) while a reader holds an object frees its key at once: the same key
+    is stored again beside the old bytes, which the reader keeps intact; both leases release
+    their own slot."""
+    t = tier(4)
+    t.put([(key(1), obj(1))])
+    old = t.lease(key(1))
+    assert t.clear() == 1
+    assert t.put([(key(1), obj(1, tokens=2))]) == [True]
+    assert t.contains([key(1)]) == [True] and t.usage().used_bytes == 3 * PAGE
+    new = t.lease(key(1))
+    assert bytes(old.view) == bytes(obj(1)) and bytes(new.view) == bytes(obj(1, tokens=2))
+    t.release(old)
+    assert t.usage().used_bytes == 2 * PAGE and t.contains([key(1)]) == [True]
+    t.release(new)
+    assert t.delete([key(1)]) == 1 and t.usage().used_bytes == 0
+
+
 def test_object_bigger_than_capacity_is_refused():
     t = tier(2)
     assert t.put([(key(1), obj(1, tokens=4))]) == [False]

@@ -65,13 +65,8 @@ class _Slot:
     reserved: int  # bytes taken in the arena (aligned)
     committed: bool = False
     pins: int = 0
-    doomed: bool = False  # removed while pinned: freed by the last release
     record: bytes = b""  # the engine's block record (kvtier.events), if it gave one
     tenant: str = ""  # whose object it is (tenants.py); empty: the default tenant
-
-    @property
-    def visible(self) -> bool:
-        return self.committed and not self.doomed
 
 
 class MemoryTier(Tier):
@@ -111,6 +106,8 @@ class MemoryTier(Tier):
         self._trigger = eviction_trigger_watermark * capacity
         self._evict_extra = eviction_ratio * capacity
         self._slots: dict[bytes, _Slot] = {}
+        # removed while a reader held them, by offset: their key is free for a new object at once
+        self._doomed: dict[int, _Slot] = {}
         self._tenants = TenantLedger()
         self._lock = threading.Lock()
 
@@ -182,7 +179,7 @@ class MemoryTier(Tier):
     def lease(self, key: bytes) -> Lease | None:
         with self._lock:
             slot = self._slots.get(key)
-            if slot is None or not slot.visible:
+            if slot is None or not slot.committed:
                 self.stats.misses += 1
                 return None
             slot.pins += 1
@@ -193,17 +190,21 @@ class MemoryTier(Tier):
 
     def release(self, lease: Lease) -> None:
         with self._lock:
-            slot = self._slots[lease.key]
+            slot = self._slots.get(lease.key)
+            if slot is not None and slot.offset == lease.offset:
+                slot.pins -= 1
+                return
+            slot = self._doomed[lease.offset]
             slot.pins -= 1
-            if slot.doomed and slot.pins == 0:
-                del self._slots[lease.key]
+            if slot.pins == 0:
+                del self._doomed[lease.offset]
                 self._free(slot)
 
     # -- the Tier interface ------------------------------------------------------------------
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [(slot := self._slots.get(k)) is not None and slot.visible for k in keys]
+            return [(slot := self._slots.get(k)) is not None and slot.committed for k in keys]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Copies of the objects, each with its checksum: copies leave this memory."""
@@ -248,11 +249,11 @@ class MemoryTier(Tier):
     def record_of(self, key: bytes) -> bytes:
         with self._lock:
             slot = self._slots.get(key)
-            return slot.record if slot is not None and slot.visible else b""
+            return slot.record if slot is not None and slot.committed else b""
 
     def records(self) -> list[tuple[bytes, bytes]]:
         with self._lock:
-            return [(key, slot.record) for key, slot in self._slots.items() if slot.visible and slot.record]
+            return [(key, slot.record) for key, slot in self._slots.items() if slot.committed and slot.record]
 
     def tenant_of(self, key: bytes) -> str:
         with self._lock:
@@ -262,7 +263,7 @@ class MemoryTier(Tier):
     def limit_tenants(self, quotas: Sequence[TenantQuota], named: Sequence[str]) -> None:
         ledger = TenantLedger(quotas, named, self.capacity, self.name)
         with self._lock:
-            for slot in self._slots.values():
+            for slot in [*self._slots.values(), *self._doomed.values()]:
                 ledger.added(slot.tenant, slot.reserved)
             self._tenants = ledger
 
@@ -290,7 +291,7 @@ class MemoryTier(Tier):
             return TierUsage(
                 used_bytes=self.capacity - self._allocator.free_bytes,
                 capacity_bytes=self.capacity,
-                objects=sum(slot.visible for slot in self._slots.values()),
+                objects=sum(slot.committed for slot in self._slots.values()),
             )
 
     # -- inside the lock ---------------------------------------------------------------------
@@ -357,16 +358,16 @@ class MemoryTier(Tier):
             self._tenants.evicted(slot.tenant)
 
     def _remove(self, key: bytes) -> bool:
-        """Make a committed object invisible; its memory is freed now, or by the last release
-        if a reader holds it (its bytes stay intact until then)."""
+        """Make a committed object invisible, its key free for a new object; its memory is freed
+        now, or by the last release if a reader holds it (its bytes stay intact until then)."""
         slot = self._slots.get(key)
-        if slot is None or not slot.visible:
+        if slot is None or not slot.committed:
             return False
         self._policy.removed(key)
+        del self._slots[key]
         if slot.pins:
-            slot.doomed = True
+            self._doomed[slot.offset] = slot
         else:
-            del self._slots[key]
             self._free(slot)
         return True
 
