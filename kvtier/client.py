@@ -33,6 +33,7 @@ from kvtier.errors import ConfigError
 from kvtier.events import CacheEvent
 from kvtier.keys import ChunkSpan
 from kvtier.keystore import Lease, Located, Reservation
+from kvtier.objects import ensure_sealed
 from kvtier.wire import protocol as p
 from kvtier.wire.curve import ClientKeys
 from kvtier.wire.shm import ARENA_OFFSET, SharedArena
@@ -90,6 +91,13 @@ class _FailingOpen:
         return False
 
 
+def _sealed_copy(view: memoryview) -> bytearray:
+    """An object of a slot, with the checksum the server would have given it in its arena."""
+    copy = bytearray(view)
+    ensure_sealed(memoryview(copy))
+    return copy
+
+
 def _remaining_ms(deadline: float) -> int:
     remaining = int((deadline - time.monotonic()) * 1000)
     if remaining <= 0:
@@ -106,14 +114,12 @@ class KvtierClient:
         admin_token: str = "",
         curve_secret_key: str | None = None,
         curve_server_key: str | None = None,
-        reserve_ahead_bytes: int = 0,
+        reserve_ahead_bytes: int = 256 << 20,
     ) -> None:
         """``curve_secret_key``: this client's key pair file (NAME.key_secret, mode 0600);
         ``curve_server_key``: the server's public key file (NAME.key). Both or neither.
-        ``reserve_ahead_bytes``: the most arena memory held in slots reserved ahead (0, the
-        default: none; a store then reserves its slots with a round trip of its own). Off by
-        default until pooled slots and ``clear`` agree: a pool outlives a clear and takes the
-        room a store after it needs."""
+        ``reserve_ahead_bytes``: the most arena memory held in slots reserved ahead (0: none; a
+        store then reserves its slots with a round trip of its own)."""
         if not url.startswith(("tcp://", "ipc://")):
             raise ConfigError(f"server url must start with tcp:// or ipc://, got {url!r}")
         if not timeout_s > 0:
@@ -474,28 +480,37 @@ class KvtierClient:
         """One ``Commit``, which names each object and refills the pool of slots reserved ahead."""
         if not reservations:
             return []
+        records = [r.record for r in reservations] if any(r.record for r in reservations) else []
         try:
             if reservations[0].slot:
-                with self._lock:
-                    for r in reservations:
-                        self._lent.pop(r.slot, None)
-                    ahead = self._ahead_wanted([len(r.view) for r in reservations])
-                    records = [r.record for r in reservations] if any(r.record for r in reservations) else []
-                    request = lambda: p.Commit(  # noqa: E731
-                        slots=[r.slot for r in reservations], keys=[r.key for r in reservations], records=records,
-                        ahead=ahead, arena=self._arena_id if ahead else b"", tenant=reservations[0].tenant)
-                    reply, _ = self._call(request)
-                    self._add_ahead(reply, ahead)
-                return list(reply.committed)
-            records = [r.record for r in reservations] if any(r.record for r in reservations) else []
-            put = p.Put(keys=[r.key for r in reservations], records=records, tenant=reservations[0].tenant)
-            reply, _ = self._call(put, [r.view for r in reservations])
-            return list(reply.stored)
+                try:
+                    return self._commit_slots(reservations, records)
+                except StaleArena:  # the server restarted since the slots were lent: send the objects
+                    return self._put(reservations, records, [_sealed_copy(r.view) for r in reservations])
+            return self._put(reservations, records, [r.view for r in reservations])
         except Unavailable:
             self.stats.dropped_stores += 1
             return [False] * len(reservations)
         finally:
             self._done_with(reservations)
+
+    def _commit_slots(self, reservations: Sequence[Reservation], records: list[bytes]) -> list[bool]:
+        """The slots named in the arena they are in (a restarted server refuses them as stale)."""
+        with self._lock:
+            for r in reservations:
+                self._lent.pop(r.slot, None)
+            arena = self._arena_id
+            ahead = self._ahead_wanted([len(r.view) for r in reservations])
+            commit = p.Commit(slots=[r.slot for r in reservations], keys=[r.key for r in reservations],
+                              records=records, ahead=ahead, arena=arena, tenant=reservations[0].tenant)
+            reply, _ = self._call(commit)
+            self._add_ahead(reply, ahead)
+        return list(reply.committed)
+
+    def _put(self, reservations: Sequence[Reservation], records: list[bytes], frames: list) -> list[bool]:
+        put = p.Put(keys=[r.key for r in reservations], records=records, tenant=reservations[0].tenant)
+        reply, _ = self._call(put, frames)
+        return list(reply.stored)
 
     def abort(self, reservations: Sequence[Reservation]) -> None:
         """Slots lent from the pool go back to it (still unnamed on the server); the others are

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.cache import TokenCache
-from kvtier.client import KvtierClient, Unavailable
+from kvtier.client import KvtierClient, StaleArena, Unavailable
 from kvtier.config import ServerConfig, convert
 from kvtier.server.main import KvtierServer
 from kvtier.server.service import AHEAD_SHARE_OF_L1
@@ -25,7 +25,7 @@ from kvtier_testing.kvtier_processes import free_port
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 
-#: a client pool of slots reserved ahead (off by default: see KvtierClient)
+#: a client's pool of slots reserved ahead, named where a test depends on one
 POOL = 256 << 20
 
 
@@ -218,7 +218,7 @@ def test_reservation_of_a_client_that_died_is_never_visible_and_expires():
         time.sleep(1.0)
         server.service.expire()
         assert server.store.l1.usage().used_bytes == 0
-        committed, _ = client._call(p.Commit(slots=reply.slots))  # too late
+        committed, _ = client._call(p.Commit(arena=client._arena_id, slots=reply.slots))  # too late
         assert committed.committed == [False, False]
         client.close()
     finally:
@@ -236,7 +236,7 @@ def test_commit_of_a_badly_written_slot_is_refused(server):
     from kvtier.wire.shm import ARENA_OFFSET
 
     memoryview(client._arena.memory)[ARENA_OFFSET + reply.offsets[0]: ARENA_OFFSET + reply.offsets[0] + 4] = b"JUNK"
-    committed, _ = client._call(p.Commit(slots=reply.slots))
+    committed, _ = client._call(p.Commit(arena=client._arena_id, slots=reply.slots))
     assert committed.committed == [False]
     assert client_cache.lookup(NS, toks).hit_tokens == 0
     assert client_cache.store(NS, toks, fill_for(toks)) == 1  # the slot was given back
@@ -390,8 +390,8 @@ def test_bad_expired_and_misused_handles_are_refused_or_ignored():
         ahead = reserve(ahead=[size, size])
         assert len(ahead.ahead_slots) == 2 and server.service.status()["reserved_ahead"] == 2
         # a slot reserved ahead and committed without a key, or with a key it does not hold: refused, freed
-        assert client._call(p.Commit(slots=ahead.ahead_slots[:1]))[0].committed == [False]
-        assert client._call(p.Commit(slots=ahead.ahead_slots[1:], keys=[span.key]))[0].committed == [False]
+        assert client._call(p.Commit(arena=client._arena_id, slots=ahead.ahead_slots[:1]))[0].committed == [False]
+        assert client._call(p.Commit(arena=client._arena_id, slots=ahead.ahead_slots[1:], keys=[span.key]))[0].committed == [False]
         assert server.service.status()["leases_and_reservations"] == 0
         assert server.store.l1.usage().used_bytes == 0 and cache.lookup(NS, tokens(0, 16)).hit_tokens == 0
         # unknown handles in ``done``, a Release and an Abort: ignored; a reservation in ``done``: aborted
@@ -405,17 +405,21 @@ def test_bad_expired_and_misused_handles_are_refused_or_ignored():
         cache.store(NS, toks, fill_for(toks))
         lease = client._call(p.Retrieve(keys=[s.key for s in cache.spans(NS, toks)], arena=client._arena_id))[0].lease
         held = server.service.status()["leases_and_reservations"]
-        assert client._call(p.Commit(slots=[lease]))[0].committed == [False]
+        assert client._call(p.Commit(arena=client._arena_id, slots=[lease]))[0].committed == [False]
         client._call(p.Abort(slots=[lease]))
         assert server.service.status()["leases_and_reservations"] == held
         # mismatched lists are named
         with pytest.raises(Unavailable, match="slots and keys differ"):
-            client._call(p.Commit(slots=[1, 2], keys=[span.key]))
+            client._call(p.Commit(arena=client._arena_id, slots=[1, 2], keys=[span.key]))
         # an expired slot reserved ahead: its commit is refused, its memory gone
         late = reserve(ahead=[size])
         time.sleep(1.0)
         server.service.expire()
-        assert client._call(p.Commit(slots=late.ahead_slots, keys=[span.key]))[0].committed == [False]
+        assert client._call(p.Commit(arena=client._arena_id, slots=late.ahead_slots, keys=[span.key]))[0].committed == [False]
+        # slots committed without naming their arena: refused as stale (as a restarted server refuses them)
+        named = reserve(keys=[span.key], sizes=[size])
+        with pytest.raises(StaleArena):
+            client._call(p.Commit(slots=named.slots))
         client.close()
     finally:
         server.stop()
@@ -467,6 +471,31 @@ def test_slots_reserved_ahead_never_hold_more_than_their_share_of_l1():
         client.close()
         assert server.service.status()["reserved_ahead_bytes"] == 0
     finally:
+        server.stop()
+
+
+def test_a_store_into_slots_of_a_server_since_restarted_still_stores_its_objects():
+    """Slots lent from the pool name the arena they are in: a server restarted (new arena, same
+    port) refuses their commit as stale, and the client sends the objects themselves instead;
+    no store is lost, none lands in a slot that is not its own."""
+    server = start_server()
+    config = server.config
+    client = KvtierClient(f"tcp://127.0.0.1:{config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
+    cache = TokenCache(client)
+    try:
+        first = tokens(95_000, 48)
+        assert cache.store(NS, first, fill_for(first)) == 3  # the pool fills
+        server.stop()
+        server = KvtierServer(config)
+        server.start()
+        toks = tokens(96_000, 48)
+        assert cache.store(NS, toks, fill_for(toks)) == 3
+        assert client.stats.reserved_ahead >= 3  # its slots came from the old server's pool
+        assert server.service.status()["tiers"][0]["objects"] == 3
+        with cache.retrieve(NS, toks) as r:
+            assert r.num_tokens == 48 and retrieved_is_exact(r, toks)
+    finally:
+        client.close()
         server.stop()
 
 

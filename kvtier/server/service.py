@@ -294,8 +294,8 @@ class CacheService:
         if request.keys and len(request.keys) != len(request.slots):
             raise BadRequest("commit: slots and keys differ in length")
         _check_records("commit", request.records, len(request.keys))
-        if request.ahead and (self.arena.path is None or self._stale(request.arena)):
-            return self._error("stale-arena", "commit reserves ahead in another arena; say hello again")
+        if (request.slots or request.ahead) and (self.arena.path is None or self._stale(request.arena)):
+            return self._error("stale-arena", "commit names slots of another arena; say hello again")
         committed = []
         for i, ident in enumerate(request.slots):
             held = self._take_reservation(ident)

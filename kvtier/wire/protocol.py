@@ -110,7 +110,7 @@ class Commit(_Request, tag="commit"):
     keys: Keys = []
     records: Records = []
     ahead: Sizes = []
-    arena: bytes = b""  # required with ``ahead``
+    arena: bytes = b""  # the arena the slots are in (a restarted server refuses the commit as stale)
     tenant: TenantName = ""
 
 
