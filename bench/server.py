@@ -16,7 +16,11 @@
                   ours); the p99 over all rounds is printed beside it
 
 Objects: Llama-3.1-8B geometry (32 layers, 8 KV heads, head size 128, bf16, 256 tokens = 32 MiB).
-A real `kvtier server` process serves; this process is the engine. Prints a table and each target
+A real `kvtier server` process serves; this process is the engine. Each path and its reference
+run in turn, round after round (9 rounds quick, 11 full); a ratio is the median of the rounds'
+ratios, printed with their 10th-90th percentiles (a pair shares its moment's machine, so the ratio
+moves less than either time; the best of a few runs, as before, moved by 0.8-1.15 between quick
+runs on a quiet machine). Prints a table and each target
 (TARGETS) with its verdict, then one JSON line; ``--check`` exits 1 when a target is missed.
 """
 
@@ -44,7 +48,7 @@ from kvtier.tiers.arena import allocate_buffer
 from kvtier_testing.kvtier_processes import ServerProcess, free_port
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
 from kvtier_testing.targets import Target, add_check_flag, finish, report
-from kvtier_testing.timing import GIB, best_of_interleaved
+from kvtier_testing.timing import GIB, interleaved, paired_ratio
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16", block_size=16)
 NS = Namespace(model="bench-llama-8b", layout=LAYOUT)
@@ -94,11 +98,11 @@ def zmq_retrieve(bare: zmq.Socket, dest: np.ndarray):
 
 
 def measure_path(client: TokenCache, chunks: int, repeats: int, payload: np.ndarray, dest: np.ndarray,
-                 first_token: int, reference=None) -> dict[str, float]:
-    """GiB/s of storing and retrieving ``chunks`` chunks as one prompt (a fresh prompt for every
-    store run), each taken in turn with the memcpy of the same bytes it is compared with (and the
-    retrieve with ``reference``, a transfer of the same bytes, if given), so that a neighbour's
-    burst falls on both alike."""
+                 first_token: int, reference=None) -> dict[str, list[float]]:
+    """Seconds of each round of storing and retrieving ``chunks`` chunks as one prompt (a fresh
+    prompt for every store run), each taken in turn with the memcpy of the same bytes it is
+    compared with (and the retrieve with ``reference``, a transfer of the same bytes, if given),
+    so that a neighbour's burst falls on both alike."""
     size = payload.nbytes
     plain = np.frombuffer(allocate_buffer(size * chunks), dtype=np.uint8)
 
@@ -128,10 +132,10 @@ def measure_path(client: TokenCache, chunks: int, repeats: int, payload: np.ndar
             for chunk in r.chunks:
                 np.copyto(dest, np.frombuffer(chunk.payload, dtype=np.uint8))
 
-    seconds = best_of_interleaved(repeats, store=store, memcpy_in=memcpy_in)
-    seconds.update(best_of_interleaved(repeats, retrieve=retrieve, memcpy_out=memcpy_out,
-                                       **({"zmq_retrieve": reference} if reference else {})))
-    return {name: chunks * size / s / GIB for name, s in seconds.items()}
+    seconds = interleaved(repeats, store=store, memcpy_in=memcpy_in)
+    seconds.update(interleaved(repeats, retrieve=retrieve, memcpy_out=memcpy_out,
+                               **({"zmq_retrieve": reference} if reference else {})))
+    return seconds
 
 
 def plot(path: str, rows: list[tuple[str, float, float]], chunks: int, p50: float, p99: float) -> None:
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     add_plot_flag(parser)
     add_check_flag(parser)
     args = parser.parse_args(argv)
-    repeats = 3 if args.quick else 7
+    repeats = 9 if args.quick else 11
     chunks = 4 if args.quick else 8
 
     size = CHUNK * LAYOUT.bytes_per_token
@@ -227,15 +231,25 @@ def main(argv: list[str] | None = None) -> int:
     p50, p99 = (float(np.percentile(latencies, q)) * 1000 for q in (50, 99))
     api_p50, api_p99_all = (float(np.percentile(np.concatenate(api_rounds), q)) * 1000 for q in (50, 99))
     api_p99 = min(float(np.percentile(r, 99)) for r in api_rounds) * 1000
+    gib_s = {path: {name: chunks * size / float(np.median(s)) / GIB for name, s in result.items()}
+             for path, result in (("shm", shm_result), ("frames", frames_result))}
+    ratios = {f"{path}_{op}_vs_{ref}": paired_ratio(result[op], result[ref])
+              for path, result in (("shm", shm_result), ("frames", frames_result))
+              for op, ref in (("store", "memcpy_in"), ("retrieve", "memcpy_out"))}
+    ratios["frames_retrieve_vs_zmq"] = paired_ratio(frames_result["retrieve"], frames_result["zmq_retrieve"])
     rows = [
-        (f"{path} {op}", result[op], result[f"memcpy_{direction}"])
-        for path, result in (("shm", shm_result), ("frames", frames_result))
+        (f"{path} {op}", gib_s[path][op], gib_s[path][f"memcpy_{direction}"])
+        for path in ("shm", "frames")
         for op, direction in (("store", "in"), ("retrieve", "out"))
     ]
-    print(f"{'operation (32 MiB objects)':<28} {'kvtier GiB/s':>13} {'memcpy GiB/s':>13} {'ratio':>6}")
-    for name, ours, ref in rows:
-        print(f"{name:<28} {ours:>13.2f} {ref:>13.2f} {ours / ref:>6.2f}")
-    print(f"{'frames retrieve, bare zmq':<28} {frames_result['zmq_retrieve']:>13.2f}")
+    print(f"{repeats} rounds, each path taken in turn with its reference; GiB/s: medians; ratio: median of the"
+          " rounds' ratios (p10-p90)")
+    print(f"{'operation (32 MiB objects)':<28} {'kvtier GiB/s':>13} {'memcpy GiB/s':>13} {'ratio':>18}")
+    for (name, ours, ref), (ratio, low, high) in zip(rows, [v for k, v in ratios.items() if "memcpy" in k]):
+        print(f"{name:<28} {ours:>13.2f} {ref:>13.2f} {ratio:>6.2f} ({low:.2f}-{high:.2f})")
+    ratio, low, high = ratios["frames_retrieve_vs_zmq"]
+    print(f"{'frames retrieve, bare zmq':<28} {gib_s['frames']['zmq_retrieve']:>13.2f} {'':>13} {ratio:>6.2f}"
+          f" ({low:.2f}-{high:.2f})")
     print(f"{'ping p50':<28} kvtier {pings['kvtier'] * 1e3:.3f} ms   bare zmq {pings['zmq'] * 1e3:.3f} ms")
     print(f"{'lookup, 8192-token prompt':<28} p50 {p50:.3f} ms   p99 {p99:.3f} ms")
     print(f"{'POST /api/lookup, 8192':<28} p50 {api_p50:.3f} ms   p99 {api_p99:.3f} ms (quietest round;"
@@ -244,12 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.plot, rows, chunks, p50, p99)
     summary = {
         "load_average": [round(x, 2) for x in os.getloadavg()],
-        "shm_store_vs_memcpy": round(shm_result["store"] / shm_result["memcpy_in"], 3),
-        "shm_retrieve_vs_memcpy": round(shm_result["retrieve"] / shm_result["memcpy_out"], 3),
-        "frames_store_gib_s": round(frames_result["store"], 3),
-        "frames_retrieve_gib_s": round(frames_result["retrieve"], 3),
-        "zmq_retrieve_gib_s": round(frames_result["zmq_retrieve"], 3),
-        "frames_retrieve_vs_zmq": round(frames_result["retrieve"] / frames_result["zmq_retrieve"], 3),
+        "shm_store_vs_memcpy": round(ratios["shm_store_vs_memcpy_in"][0], 3),
+        "shm_retrieve_vs_memcpy": round(ratios["shm_retrieve_vs_memcpy_out"][0], 3),
+        "frames_store_gib_s": round(gib_s["frames"]["store"], 3),
+        "frames_retrieve_gib_s": round(gib_s["frames"]["retrieve"], 3),
+        "zmq_retrieve_gib_s": round(gib_s["frames"]["zmq_retrieve"], 3),
+        "frames_retrieve_vs_zmq": round(ratios["frames_retrieve_vs_zmq"][0], 3),
+        "ratio_spreads_p10_p90": {name: [round(low, 3), round(high, 3)] for name, (_, low, high) in ratios.items()},
         "ping_ms": round(pings["kvtier"] * 1e3, 4),
         "zmq_ping_ms": round(pings["zmq"] * 1e3, 4),
         "ping_vs_zmq": round(pings["kvtier"] / pings["zmq"], 3),

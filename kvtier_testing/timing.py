@@ -20,19 +20,32 @@ def best_of(repeats: int, run) -> float:
     return min(times)
 
 
-def best_of_interleaved(repeats: int, setup=None, **runs) -> dict[str, float]:
-    """``best_of`` for several runs taken in turn (a, b, a, b, ...), so that a disturbance such as
-    the disk flushing what the previous run wrote falls on all of them alike. ``setup``, if
-    given, runs untimed before each run."""
-    best = {name: float("inf") for name in runs}
+def interleaved(repeats: int, setup=None, **runs) -> dict[str, list[float]]:
+    """Seconds of every run of several taken in turn (a, b, a, b, ...), so that a disturbance
+    such as the disk flushing what the previous run wrote falls on all of them alike; round i
+    of each is its i-th entry. ``setup``, if given, runs untimed before each run."""
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             if setup is not None:
                 setup()
             start = time.perf_counter()
             run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def best_of_interleaved(repeats: int, setup=None, **runs) -> dict[str, float]:
+    """``best_of`` for several runs taken in turn (``interleaved``)."""
+    return {name: min(times) for name, times in interleaved(repeats, setup, **runs).items()}
+
+
+def paired_ratio(ours: list[float], reference: list[float]) -> tuple[float, float, float]:
+    """Speed of ours over the reference's, round by round (runs taken in turn): the median and
+    the 10th and 90th percentiles of ``reference[i] / ours[i]``. A pair shares the machine's
+    state of its moment, so the ratio moves less than either time does."""
+    ratios = np.asarray(reference) / np.asarray(ours)
+    return float(np.median(ratios)), float(np.percentile(ratios, 10)), float(np.percentile(ratios, 90))
 
 
 class Timeline:
