@@ -5,7 +5,8 @@ Three engines share one ``kvtier server`` (shared memory), vLLM's prefix cache o
 request loads from kvtier:
 
     sync       every load in the step, before the forward pass (async_load_min_tokens huge)
-    async      every load on the loader thread; the request waits in WAITING_FOR_REMOTE_KVS
+    async      every load on the loader thread, a lone request's too (sync_load_when_alone off); the
+               request waits in WAITING_FOR_REMOTE_KVS
     layerwise  every load in the step, copied layer by layer beside the forward pass
 
 Measured, the engines taking turns (rotating order, a pause before each) on the same prompts:
@@ -50,7 +51,7 @@ from kvtier_testing.tiny_model import build_tiny_model
 QUESTION = 16
 ENGINES = {
     "sync": {"kvtier.async_load_min_tokens": 10**9},
-    "async": {"kvtier.async_load_min_tokens": 0},
+    "async": {"kvtier.async_load_min_tokens": 0, "kvtier.sync_load_when_alone": False},
     "layerwise": {"kvtier.async_load_min_tokens": 10**9, "kvtier.layerwise_load": True},
 }
 TARGETS = {"outputs_identical": Target("==", True, "greedy tokens and logprobs within 1e-3 on every path")}

@@ -5,8 +5,10 @@ not arrive; a server that dies in the middle of a batch of loads costs a recompu
 wrong answer. A negative control shows the exactness check fails on damaged KV loaded this way.
 
 One engine serves both load paths: ``async_load_min_tokens`` is set between the prompts' sizes,
-so long hits load on the loader thread and short ones in the step, layer by layer
-(``layerwise_load``). Marked ``vllm``.
+so long hits load on the loader thread while another request runs (a lone one loads in the
+step: ``sync_load_when_alone``) and short ones in the step, layer by layer (``layerwise_load``).
+A test that needs a long hit on the loader thread asks it beside a cold companion prompt, admitted
+first. Marked ``vllm``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ DOCS = {name: _tokens(300 + i, n) for i, (name, n) in enumerate(
     [("long", 2048), ("short", 512), ("other", 1536), ("cut", 1536), ("negative", 1024),
      ("k1", 1280), ("k2", 1280), ("k3", 1280)])}
 PROMPTS = {f"{doc}{i}": DOCS[doc] + Q[i] for doc in DOCS for i in range(3)}
+#: short cold prompts, each asked once: a request that runs while a long hit is looked up
+PROMPTS.update({f"companion{i}": _tokens(900 + i, 40) for i in range(6)})
+PROMPTS["long3"] = DOCS["long"] + Q[3]
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +95,9 @@ def engines(tiny_model_path, workdir, open_server, dying_server):
         "kvtier": EngineProcess(tiny_model_path, workdir, _connector(
             open_url, **{"kvtier.async_load_min_tokens": ASYNC_FROM, "kvtier.layerwise_load": True}),
             max_model_len=MAX_LEN, env=env, name="async"),
-        "dying": EngineProcess(tiny_model_path, workdir, _connector(dying_server.url, **{"kvtier.async_load_min_tokens": 0}),
-                               max_model_len=MAX_LEN, env=env, name="dying"),
+        "dying": EngineProcess(tiny_model_path, workdir, _connector(
+            dying_server.url, **{"kvtier.async_load_min_tokens": 0, "kvtier.sync_load_when_alone": False}),
+            max_model_len=MAX_LEN, env=env, name="dying"),
     }
     for engine in started.values():
         engine.launch()
@@ -139,14 +145,27 @@ def test_async_and_layerwise_loads_give_vllm_alones_answers(engines, reference):
     _assert_same(_ask(engine, "long0"), reference, "long0")
     _assert_same(_ask(engine, "short0"), reference, "short0")
     before = engine.drain()["worker"]
-    warm = _ask(engine, "long1")  # 2048 tokens: the loader thread
-    _assert_same(warm, reference, "long1")
-    assert warm[0]["num_cached_tokens"] == len(DOCS["long"])
+    _, warm = _ask(engine, "companion0", "long1")  # 2048 tokens beside a running request: the loader thread
+    _assert_same([warm], reference, "long1")
+    assert warm["num_cached_tokens"] == len(DOCS["long"])
     short = _ask(engine, "short1")  # 512 tokens: in the step, layer by layer
     _assert_same(short, reference, "short1")
     assert short[0]["num_cached_tokens"] == len(DOCS["short"])
     figures = _delta(_worker(engine), before, *FIGURES)
     assert figures == {"loads": 2, "async_loads": 1, "loaded_tokens": 2048 + 512, "failed_loads": 0}, figures
+
+
+def test_a_long_hit_nothing_else_waits_for_loads_in_the_step(engines, reference):
+    """``sync_load_when_alone``: with no other request running, a load past
+    ``async_load_min_tokens`` is copied in the step (the asynchronous path would cost it a step
+    and spare nobody anything)."""
+    engine = engines["kvtier"]
+    before = engine.drain()["worker"]
+    [lone] = _ask(engine, "long3")  # its document stored by the test before: a 2048-token hit
+    _assert_same([lone], reference, "long3")
+    assert lone["num_cached_tokens"] == len(DOCS["long"])
+    figures = _delta(_worker(engine), before, *FIGURES)
+    assert figures == {"loads": 1, "async_loads": 0, "loaded_tokens": 2048, "failed_loads": 0}, figures
 
 
 def test_requests_keep_stepping_while_another_loads(engines, reference):
@@ -183,7 +202,7 @@ def test_an_async_load_cut_short_recomputes_exactly_the_blocks_that_did_not_arri
     _assert_same(_ask(engine, "cut0"), reference, "cut0")
     before = engine.drain()["worker"]
     _withhold_after(open_server.store, 2)  # 2 of the 6 chunks arrive
-    [out] = _ask(engine, "cut1")
+    _, out = _ask(engine, "companion1", "cut1")
     _assert_same([out], reference, "cut1")
     # the blocks past the 2 chunks go back to vLLM, which computes them (its num_cached_tokens
     # counts the hit planned at admission, so the connector's figures say what arrived)
@@ -208,11 +227,11 @@ def test_the_exactness_check_fails_on_wrong_kv_loaded_asynchronously(engines, re
     engine.drain()
     objects = stored_objects(store)
     chunk = next(key for key in sorted(objects) if read_header(objects[key]).num_tokens == CHUNK)
-    for damage in [None, *DAMAGES]:
+    for i, damage in enumerate([None, *DAMAGES]):
         wrong = damaged(objects[chunk], DAMAGES[damage], _pages) if damage else objects[chunk]
         replace_objects(store, {**objects, chunk: wrong})
         before = _worker(engine)
-        [out] = _ask(engine, "negative1")
+        _, out = _ask(engine, f"companion{2 + i}", "negative1")  # beside a running request: the loader thread
         engine.drain()
         assert _delta(_worker(engine), before, "async_loads")["async_loads"] == 1
         assert out["num_cached_tokens"] == len(DOCS["negative"]), (damage, out)

@@ -162,6 +162,7 @@ class KvtierScheduler:
         self._interval = Interval()
         self._block_ids_of = block_ids_of
         self._lookups: dict[ReqId, _Lookup] = {}
+        self._running: set[ReqId] = set()  # admitted, not finished: what a load in the step would stall
         self._requests: dict[ReqId, _Tracked] = {}
         self._keys: dict[ReqId, list[list[PrefixKeys]]] = {}  # per request, TP rank and group: hashed once
         self._waiting: dict[ReqId, _Waiting] = {}
@@ -245,16 +246,22 @@ class KvtierScheduler:
         # past the cut the hit is computed, and stored again: into L1, where the next hit is fast
         hit = self._worth_loading(request.request_id, scope, tiers, spans, chunk, num_computed_tokens, hit)
         load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
-        asynchronous = self._loads_async(load)
+        asynchronous = self._loads_async(load, request.request_id)
         self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans, asynchronous)
         return load, asynchronous
 
-    def _loads_async(self, load: int) -> bool:
+    def _loads_async(self, load: int, req_id: ReqId) -> bool:
         """Whether a load of ``load`` tokens takes vLLM's asynchronous path: long loads (a worker
-        thread copies while the engine steps the other requests), and every load of a model with
-        several groups (vLLM can take back a failed load of such a model only as a whole request,
-        and only on that path; see worker.py)."""
-        return load > 0 and (len(self.engine.groups) > 1 or load >= self.config.async_load_min_tokens)
+        thread copies while the engine steps the other requests) while another request runs
+        (``sync_load_when_alone``), and every load of a model with several groups (vLLM can take
+        back a failed load of such a model only as a whole request, and only on that path; see
+        worker.py)."""
+        if load <= 0:
+            return False
+        if len(self.engine.groups) > 1:
+            return True
+        others = len(self._running) - (req_id in self._running)
+        return load >= self.config.async_load_min_tokens and (others > 0 or not self.config.sync_load_when_alone)
 
     def _worth_loading(self, req_id: ReqId, scope: RequestScope, tiers: list[str],
                        spans: list[list[list[ChunkSpan]]], chunk: int, start: int, hit: int) -> int:
@@ -389,6 +396,7 @@ class KvtierScheduler:
     # -- allocation and the step's metadata ------------------------------------------------------
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self._running.add(request.request_id)
         scope = request_scope(request)
         if scope is None:
             return
@@ -530,6 +538,7 @@ class KvtierScheduler:
         """Plan the save of the request's history, if any (True: vLLM must keep its blocks until
         the workers report it sent), and forget the request; for a prefill asked by the proxy,
         the kv_transfer_params to answer."""
+        self._running.discard(request.request_id)
         self._lookups.pop(request.request_id, None)
         self._waiting.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)
