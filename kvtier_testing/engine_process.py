@@ -21,8 +21,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from kvtier_testing.cache_dir import cache_dir
 
@@ -185,6 +186,21 @@ class EngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def running(engines: dict[str, EngineProcess], timeout: float = 300) -> Iterator[dict[str, EngineProcess]]:
+    """Every engine started side by side and waited for, then all stopped on the way out (also
+    when one fails to start)."""
+    for engine in engines.values():
+        engine.launch()
+    try:
+        for engine in engines.values():
+            engine.wait_ready(timeout)
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.stop()
 
 
 # -- the child ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.objects import read_header
-from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config, running
 from kvtier_testing.exactness import mismatch
 from kvtier_testing.kv_damage import DAMAGES, damaged, replace_objects, stored_objects
 from kvtier_testing.kvtier_processes import ServerProcess, free_port
@@ -99,15 +99,8 @@ def engines(tiny_model_path, workdir, open_server, dying_server):
             dying_server.url, **{"kvtier.async_load_min_tokens": 0, "kvtier.sync_load_when_alone": False}),
             max_model_len=MAX_LEN, env=env, name="dying"),
     }
-    for engine in started.values():
-        engine.launch()
-    try:
-        for engine in started.values():
-            engine.wait_ready(900)  # three engines start side by side: minutes on a busy machine
+    with running(started, timeout=900):  # three engines start side by side: minutes on a busy machine
         yield started
-    finally:
-        for engine in started.values():
-            engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import parse_extra_config
 from kvtier.layout import KVLayout
 from kvtier.objects import read_header
-from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config, running
 from kvtier_testing.exactness import mismatch
 from kvtier_testing.kv_damage import DAMAGES, damaged, replace_objects, stored_objects
 from kvtier_testing.kvtier_processes import ServerProcess, free_port
@@ -267,15 +267,8 @@ def engines(tiny_model_path, workdir, env, server, open_server):
         "two": EngineProcess(tiny_model_path, workdir, _connector(server.url), max_model_len=MAX_LEN, env=env, name="two"),
         "open": EngineProcess(tiny_model_path, workdir, _connector(open_url), max_model_len=MAX_LEN, env=env, name="open"),
     }
-    for engine in started.values():
-        engine.launch()
-    try:
-        for engine in started.values():
-            engine.wait_ready()
+    with running(started):
         yield started
-    finally:
-        for engine in started.values():
-            engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from kvtier.objects import read_header
-from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
+from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config, running
 from kvtier_testing.exactness import mismatch
 from kvtier_testing.kv_damage import damaged, replace_objects, stored_objects, swap_two_layers, zeroed
 from kvtier_testing.kvtier_processes import free_port
@@ -57,15 +57,8 @@ def engines(tiny_model_path, tmp_path_factory, open_server):
         "kvtier": EngineProcess(tiny_model_path, workdir, kvtier_transfer_config(
             {"kvtier.url": url, "kvtier.save_history": "always"}), max_model_len=MAX_LEN, env=env, name="kvtier"),
     }
-    for engine in started.values():
-        engine.launch()
-    try:
-        for engine in started.values():
-            engine.wait_ready()
+    with running(started):
         yield started
-    finally:
-        for engine in started.values():
-            engine.stop()
 
 
 def _ask(engine: EngineProcess, prompt: list[int], max_tokens: int) -> dict:
