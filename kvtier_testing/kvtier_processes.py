@@ -1,4 +1,5 @@
-"""Real ``kvtier server`` processes for tests: started on free loopback ports, stopped after."""
+"""Real ``kvtier server`` processes for tests, and servers in the test's own process: started on
+free loopback ports, stopped after."""
 
 from __future__ import annotations
 
@@ -9,9 +10,29 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from kvtier_testing.services import free_port
+
+
+@contextmanager
+def in_process_server(l2_dir: Path, chunk_size: int, l1_gb: float = 0.25) -> Iterator:
+    """A ``KvtierServer`` in the caller's process, its store at hand (a test reads, rewrites or
+    withholds what it stores), with a disk tier of 0.5 GB under ``l2_dir``; stopped on the way out."""
+    from kvtier.config import ServerConfig, convert
+    from kvtier.server.main import KvtierServer
+
+    l2 = {"type": "fs", "base_path": str(l2_dir), "max_capacity_gb": 0.5}
+    config = {"store": {"l1": {"size_gb": l1_gb}, "chunk_size": chunk_size, "l2_adapters": [l2]},
+              "port": free_port(), "http_port": free_port()}
+    server = KvtierServer(convert(config, ServerConfig))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 class ServerProcess:

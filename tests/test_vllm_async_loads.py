@@ -23,7 +23,7 @@ from kvtier.objects import read_header
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config, running
 from kvtier_testing.exactness import mismatch
 from kvtier_testing.kv_damage import DAMAGES, damaged, replace_objects, stored_objects
-from kvtier_testing.kvtier_processes import ServerProcess, free_port
+from kvtier_testing.kvtier_processes import ServerProcess, in_process_server
 
 pytestmark = pytest.mark.vllm
 
@@ -59,17 +59,8 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def open_server(workdir):
     """A kvtier server in the test's process: a test can rewrite or withhold what it stores."""
-    from kvtier.config import ServerConfig, convert
-    from kvtier.server.main import KvtierServer
-
-    l2 = {"type": "fs", "base_path": str(workdir / "l2"), "max_capacity_gb": 0.5}
-    # room beyond the slots the engines' clients reserve ahead (up to 256 MiB each)
-    config = {"store": {"l1": {"size_gb": 1.0}, "chunk_size": CHUNK, "l2_adapters": [l2]},
-              "port": free_port(), "http_port": free_port()}
-    server = KvtierServer(convert(config, ServerConfig))
-    server.start()
-    yield server
-    server.stop()
+    with in_process_server(workdir / "l2", CHUNK, l1_gb=1.0) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

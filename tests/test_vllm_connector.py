@@ -27,7 +27,7 @@ from kvtier.objects import read_header
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config, running
 from kvtier_testing.exactness import mismatch
 from kvtier_testing.kv_damage import DAMAGES, damaged, replace_objects, stored_objects
-from kvtier_testing.kvtier_processes import ServerProcess, free_port
+from kvtier_testing.kvtier_processes import ServerProcess, in_process_server
 
 CHUNK = 256
 BLOCK = 128  # the CPU attention backend's block size
@@ -244,16 +244,8 @@ def _connector(url: str, **extra) -> dict:
 def open_server(workdir):
     """A kvtier server in the test's own process, so that a test can read and rewrite what it
     stores through the store's key-level API (the negative control)."""
-    from kvtier.config import ServerConfig, convert
-    from kvtier.server.main import KvtierServer
-
-    l2 = {"type": "fs", "base_path": str(workdir / "open-l2"), "max_capacity_gb": 0.5}
-    config = {"store": {"l1": {"size_gb": 0.25}, "chunk_size": CHUNK, "l2_adapters": [l2]},
-              "port": free_port(), "http_port": free_port()}
-    s = KvtierServer(convert(config, ServerConfig))
-    s.start()
-    yield s
-    s.stop()
+    with in_process_server(workdir / "open-l2", CHUNK) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

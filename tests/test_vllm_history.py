@@ -15,7 +15,7 @@ from kvtier.objects import read_header
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config, running
 from kvtier_testing.exactness import mismatch
 from kvtier_testing.kv_damage import damaged, replace_objects, stored_objects, swap_two_layers, zeroed
-from kvtier_testing.kvtier_processes import free_port
+from kvtier_testing.kvtier_processes import in_process_server
 
 CHUNK = 256
 BLOCK = 128
@@ -34,17 +34,8 @@ TURN1 = _tokens(1, 976) + _tokens(2, 24)  # 1000 tokens: ends inside a block
 @pytest.fixture(scope="module")
 def open_server(tmp_path_factory):
     """A kvtier server in the test's process, so the test can read and rewrite what it stores."""
-    from kvtier.config import ServerConfig, convert
-    from kvtier.server.main import KvtierServer
-
-    workdir = tmp_path_factory.mktemp("history")
-    l2 = {"type": "fs", "base_path": str(workdir / "l2"), "max_capacity_gb": 0.5}
-    config = {"store": {"l1": {"size_gb": 0.25}, "chunk_size": CHUNK, "l2_adapters": [l2]},
-              "port": free_port(), "http_port": free_port()}
-    s = KvtierServer(convert(config, ServerConfig))
-    s.start()
-    yield s
-    s.stop()
+    with in_process_server(tmp_path_factory.mktemp("history") / "l2", CHUNK) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
