@@ -203,6 +203,15 @@ def running(engines: dict[str, EngineProcess], timeout: float = 300) -> Iterator
             engine.stop()
 
 
+def answers_then_stop(engine: EngineProcess, prompts: dict[str, list[int]], **sampling) -> dict[str, dict]:
+    """The engine's answer to each named prompt (``generate``'s ``sampling`` arguments), then the
+    engine stopped: a reference engine whose memory the engines after it need."""
+    names = list(prompts)
+    outputs = engine.generate([prompts[n] for n in names], **sampling)
+    engine.stop()
+    return dict(zip(names, outputs))
+
+
 # -- the child ----------------------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.config import parse_extra_config
 from kvtier.layout import KVLayout
 from kvtier.objects import read_header
-from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config, running
+from kvtier_testing.engine_process import EngineProcess, answers_then_stop, engine_env, kvtier_transfer_config, running
 from kvtier_testing.exactness import mismatch
 from kvtier_testing.kv_damage import DAMAGES, damaged, replace_objects, stored_objects
 from kvtier_testing.kvtier_processes import ServerProcess, in_process_server
@@ -266,10 +266,7 @@ def engines(tiny_model_path, workdir, env, server, open_server):
 @pytest.fixture(scope="module")
 def reference(engines):
     """vLLM's own answers, without kvtier, for every prompt (then the baseline engine stops)."""
-    names = list(PROMPTS)
-    outputs = engines["baseline"].generate([PROMPTS[n] for n in names], max_tokens=NEW_TOKENS, logprobs=5)
-    engines["baseline"].stop()
-    return dict(zip(names, outputs))
+    return answers_then_stop(engines["baseline"], PROMPTS, max_tokens=NEW_TOKENS, logprobs=5)
 
 
 def _ask(engine: EngineProcess, name: str) -> dict:
