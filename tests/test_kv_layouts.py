@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.blocks import PagedKV, block_form
+from kvtier.integrations.vllm.blocks import PagedKV, _runs, block_form
 from kvtier.integrations.vllm.common import GroupLayout
 from kvtier.integrations.vllm.device_copy import HostPins
 from kvtier.layout import KVLayout
@@ -240,3 +240,9 @@ def test_a_mapping_nobody_holds_any_more_is_unpinned_and_freed():
     assert list(driver.registered.values()) == [1 << 21]
     refused = HostPins(lambda address, size: False, driver.unregister)
     assert not refused.pin(memoryview(new)) and not refused.pin(memoryview(new))
+
+
+def test_block_ids_are_cut_into_runs_of_consecutive_ids():
+    assert _runs([3, 4, 5, 9, 10, 2, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1), (6, 2, 1)]
+    assert _runs(np.array([7], dtype=np.int64)) == [(0, 7, 1)]
+    assert _runs([]) == []

@@ -45,13 +45,17 @@ from kvtier.integrations.vllm.device_copy import DeviceCopies
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(position in block_ids, first block id, length) of each run of consecutive ids."""
-    ids = np.asarray(block_ids, dtype=np.int64)
-    if not ids.size:
-        return []
-    starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
-    lengths = np.diff(starts, append=ids.size)
-    return [(int(p), int(ids[p]), int(n)) for p, n in zip(starts, lengths)]
+    """(position in block_ids, first block id, length) of each run of consecutive ids. Plain
+    Python: a chunk names a few blocks, where numpy's per-call cost is many times the work."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, block in enumerate(block_ids):
+        block = int(block)
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((pos, block, 1))
+    return runs
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ on storage; vLLM's blocks are not read after the step that computed them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -151,7 +150,7 @@ class KvtierWorker:
         return meta if jobs or meta.timed_step or meta.load_samples else None
 
     def figures(self) -> dict:
-        return totals(dataclasses.asdict(self.stats))
+        return totals(vars(self.stats))
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The step's figures for vLLM's metrics (saves finished since the last step included)."""
