@@ -190,7 +190,8 @@ class Saver:
 
             def fill(span: ChunkSpan, dest: memoryview, g: int = g) -> None:
                 offset, size = staged.offsets[(g, span.key)]
-                dest[:size] = self.ring.view(offset, size)
+                # numpy lets go of the GIL for the copy (a memoryview assignment would hold it)
+                np.copyto(np.frombuffer(dest, np.uint8, size), self.ring.buffer[offset : offset + size])
                 written[g] += size
 
             records = job.records[g] if job.records else {}
