@@ -237,15 +237,16 @@ def main(argv: list[str] | None = None) -> int:
               for path, result in (("shm", shm_result), ("frames", frames_result))
               for op, ref in (("store", "memcpy_in"), ("retrieve", "memcpy_out"))}
     ratios["frames_retrieve_vs_zmq"] = paired_ratio(frames_result["retrieve"], frames_result["zmq_retrieve"])
-    rows = [
-        (f"{path} {op}", gib_s[path][op], gib_s[path][f"memcpy_{direction}"])
+    table = {  # row -> (kvtier GiB/s, memcpy GiB/s, its ratio)
+        f"{path} {op}": (gib_s[path][op], gib_s[path][f"memcpy_{direction}"], ratios[f"{path}_{op}_vs_memcpy_{direction}"])
         for path in ("shm", "frames")
         for op, direction in (("store", "in"), ("retrieve", "out"))
-    ]
+    }
+    rows = [(name, ours, ref) for name, (ours, ref, _) in table.items()]
     print(f"{repeats} rounds, each path taken in turn with its reference; GiB/s: medians; ratio: median of the"
           " rounds' ratios (p10-p90)")
     print(f"{'operation (32 MiB objects)':<28} {'kvtier GiB/s':>13} {'memcpy GiB/s':>13} {'ratio':>18}")
-    for (name, ours, ref), (ratio, low, high) in zip(rows, [v for k, v in ratios.items() if "memcpy" in k]):
+    for name, (ours, ref, (ratio, low, high)) in table.items():
         print(f"{name:<28} {ours:>13.2f} {ref:>13.2f} {ratio:>6.2f} ({low:.2f}-{high:.2f})")
     ratio, low, high = ratios["frames_retrieve_vs_zmq"]
     print(f"{'frames retrieve, bare zmq':<28} {gib_s['frames']['zmq_retrieve']:>13.2f} {'':>13} {ratio:>6.2f}"
