@@ -19,7 +19,7 @@ import numpy as np
 
 from kvtier.errors import ObjectError
 from kvtier.keys import ChunkSpan, Namespace, chunk_spans, spans_within
-from kvtier.keystore import KeyStore, Lease
+from kvtier.keystore import KeyStore, Lease, Pin
 from kvtier.layout import KVLayout
 from kvtier.objects import HEADER_SIZE, decode_payload, object_size, seal
 
@@ -35,6 +35,7 @@ class LookupResult:
     hit_tokens: int
     spans: list[ChunkSpan]  # the chunks of the hit prefix, in order
     tiers: list[str]  # the name of the tier that holds each of them (the highest one)
+    pin: Pin | None = None  # lookup_spans(..., pin=True): the objects leased for the load
 
 
 @dataclass
@@ -117,19 +118,21 @@ class TokenCache:
     def lookup(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> LookupResult:
         return self.lookup_spans(self.spans(namespace, tokens))
 
-    def lookup_spans(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = ()) -> LookupResult:
+    def lookup_spans(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = (),
+                     pin: bool = False) -> LookupResult:
         """The longest cached prefix of ``spans``; where it stops at chunk i, extended by the
         first cached span of ``partials[i]`` (shorter prefixes of chunk i, longest first).
-        One ``locate`` of the store: one round trip to a server."""
+        One ``locate`` of the store: one round trip to a server. ``pin``: see ``KeyStore.locate``;
+        the caller hands the result's pin to ``retrieve_pinned`` or the store's ``unpin``."""
         if not spans:
             return LookupResult(0, [], [])
-        located = self.key_store.locate(spans, partials)
+        located = self.key_store.locate(spans, partials, pin)
         hit = list(spans[: len(located.tiers)])
         tiers = list(located.tiers)
         if located.partial >= 0:
             hit.append(partials[len(tiers)][located.partial])
             tiers.append(located.partial_tier)
-        return LookupResult(hit[-1].end if hit else 0, hit, tiers)
+        return LookupResult(hit[-1].end if hit else 0, hit, tiers, located.pin)
 
     # -- retrieve ----------------------------------------------------------------------------
 
@@ -144,7 +147,15 @@ class TokenCache:
         """The longest cached run of ``spans`` (consecutive chunks of one chain) from the first."""
         if not spans:
             return Retrieval([], lambda: None)
-        leases = self.key_store.acquire([s.key for s in spans])
+        return self._retrieval(namespace, spans, self.key_store.acquire([s.key for s in spans]))
+
+    def retrieve_pinned(self, namespace: Namespace, spans: Sequence[ChunkSpan], pin: Pin) -> Retrieval | None:
+        """``spans`` from a lookup's pin, without a call; None where the pin cannot serve them
+        (then the pin is still the caller's)."""
+        leases = self.key_store.pinned(pin, [s.key for s in spans]) if spans else None
+        return self._retrieval(namespace, spans, leases) if leases is not None else None
+
+    def _retrieval(self, namespace: Namespace, spans: Sequence[ChunkSpan], leases: list[Lease]) -> Retrieval:
         chunks = payload_chunks(spans, leases, namespace.layout)
         self.stats.refused += len(chunks) < len(leases)
         return Retrieval(chunks, lambda: self.key_store.release(leases))

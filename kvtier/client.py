@@ -32,7 +32,7 @@ import zmq
 from kvtier.errors import ConfigError
 from kvtier.events import CacheEvent
 from kvtier.keys import ChunkSpan
-from kvtier.keystore import Lease, Located, Reservation
+from kvtier.keystore import Lease, Located, Pin, Reservation
 from kvtier.objects import ensure_sealed
 from kvtier.wire import protocol as p
 from kvtier.wire.curve import ClientKeys
@@ -293,20 +293,43 @@ class KvtierClient:
         except Unavailable:
             return False
 
-    def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = ()) -> Located:
+    def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = (), pin: bool = False) -> Located:
         flat = [(i, span) for i, group in enumerate(partials) for span in group]
-        request = p.Lookup(
+        request = lambda: p.Lookup(  # noqa: E731
             keys=[s.key for s in spans], ends=[s.end for s in spans],
             partials=[s.key for _, s in flat], partial_at=[i for i, _ in flat], partial_ends=[s.end for _, s in flat],
+            pin=pin and self._arena is not None, arena=self._arena_id if pin else b"",
         )
         try:
-            reply, _ = self._call(request)
+            with self._lock:  # the arena a pin is in: the one of this call
+                reply, _ = self._call(request)
+                arena = self._arena_id
         except Unavailable:
             return Located()
+        hit = [s.key for s in spans[: len(reply.tiers)]] + ([flat[reply.partial][1].key] if reply.partial >= 0 else [])
+        pinned = Pin(reply.lease, arena, {key: (offset, size) for key, offset, size in zip(hit, reply.offsets, reply.sizes)},
+                     time.monotonic()) if reply.lease else None
         if reply.partial < 0:
-            return Located(list(reply.tiers))
+            return Located(list(reply.tiers), pin=pinned)
         first = next(j for j, (i, _) in enumerate(flat) if i == len(reply.tiers))
-        return Located(list(reply.tiers), reply.partial - first, reply.partial_tier)
+        return Located(list(reply.tiers), reply.partial - first, reply.partial_tier, pinned)
+
+    def pinned(self, pin: Pin, keys: Sequence[bytes]) -> list[Lease] | None:
+        """Views of the pinned objects in this client's mapping of the arena: no call."""
+        with self._lock:
+            fresh = time.monotonic() - pin.leased_at < self._lease_timeout_s / 2
+            if self._arena is None or pin.arena != self._arena_id or not fresh or any(k not in pin.objects for k in keys):
+                return None
+            memory = memoryview(self._arena.memory)
+        leases = []
+        for key in keys:
+            offset, size = pin.objects[key]
+            view = memory[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size].toreadonly()
+            leases.append(Lease(key, view, offset, pinned=True, lease=pin.lease))
+        return leases
+
+    def unpin(self, pin: Pin) -> None:
+        self._give_back({pin.lease})
 
     def acquire(self, keys: Sequence[bytes], checksum: bool = False) -> list[Lease]:
         """Objects in the server's arena are leased there (one lease for the call); the rest

@@ -50,6 +50,19 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class Pin:
+    """The objects a lookup leased where they lie (a server's shared arena) for the load that
+    follows it, which then needs no call of its own: the store's lease handle, the arena's id,
+    and each object's key -> (offset, size). Plain data: it travels in an engine's step metadata
+    to another thread or process of the same host. Good for half the store's lease timeout."""
+
+    lease: int
+    arena: bytes
+    objects: dict[bytes, tuple[int, int]]
+    leased_at: float  # time.monotonic() (system-wide on Linux: the same clock in every process)
+
+
+@dataclass(frozen=True)
 class Located:
     """Where the longest cached prefix of a key chain is: the tier holding each of its keys,
     highest first; and where the walk stopped, which candidate partial chunk was found, if any."""
@@ -57,6 +70,7 @@ class Located:
     tiers: list[str] = field(default_factory=list)
     partial: int = -1  # index into the candidates for the chunk the walk stopped at; -1: none
     partial_tier: str = ""
+    pin: Pin | None = None  # ``locate(..., pin=True)`` of a store in another process: the objects leased
 
 
 class KeyStore(Protocol):
@@ -73,16 +87,26 @@ class KeyStore(Protocol):
     def ping(self) -> bool:
         """Whether the store answers; a remote store connects and learns its chunk size."""
 
-    def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = ()) -> Located:
+    def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = (), pin: bool = False) -> Located:
         """The tiers of the longest contiguous cached prefix of the chunks ``spans`` (their keys;
         their token ranges only feed hit-rate metrics); then, where it stops at chunk i, the
-        first of ``partials[i]`` (shorter prefixes of chunk i, longest first) that is cached."""
+        first of ``partials[i]`` (shorter prefixes of chunk i, longest first) that is cached.
+        ``pin``: a store in another process may also lease the objects of the hit it holds in
+        shared memory (``Located.pin``); hand the pin to ``pinned`` or ``unpin``."""
 
     def acquire(self, keys: Sequence[bytes], checksum: bool = False) -> list[Lease]:
         """Leases on the objects of the longest contiguous cached prefix of ``keys``; with
         ``checksum``, every object carries its checksum (it is about to leave memory)."""
 
     def release(self, leases: Sequence[Lease]) -> None: ...
+
+    def pinned(self, pin: Pin, keys: Sequence[bytes]) -> list[Lease] | None:
+        """Leases on ``keys`` from a lookup's ``pin`` (``release`` gives them back), or None
+        where the pin cannot serve them here (another arena, too old, a key it lacks): then
+        ``unpin`` it and ``acquire``."""
+
+    def unpin(self, pin: Pin) -> None:
+        """Give back a pin no load used."""
 
     def reserve(
         self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""

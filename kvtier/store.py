@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 from kvtier.events import CacheEvent
 from kvtier.keys import ChunkSpan
-from kvtier.keystore import Lease, Located, Reservation
+from kvtier.keystore import Lease, Located, Pin, Reservation
 from kvtier.tiers.base import Tier
 from kvtier.tiers.lineage import Lineage
 from kvtier.tiers.memory import MemoryTier
@@ -100,7 +100,8 @@ class TieredStore:
     def ping(self) -> bool:
         return True
 
-    def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = ()) -> Located:
+    def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = (), pin: bool = False) -> Located:
+        """``pin`` is for stores in another process: here a load's ``acquire`` costs no call."""
         self.lineage.note_chain(spans)
         tiers = self._locate([s.key for s in spans])
         candidates = partials[len(tiers)] if len(tiers) < len(partials) else ()
@@ -145,6 +146,24 @@ class TieredStore:
         for lease in leases:
             if lease.pinned:
                 self.l1.release(lease)
+
+    def pinned(self, pin: Pin, keys: Sequence[bytes]) -> list[Lease] | None:
+        return None  # never pins (locate)
+
+    def unpin(self, pin: Pin) -> None:
+        pass
+
+    def lease_resident(self, keys: Sequence[bytes]) -> list[Lease]:
+        """Leases on the objects of the longest prefix of ``keys`` that L1 holds now, nothing
+        promoted (a read, for the policies, as ``acquire``'s): what a server's lookup pins."""
+        leases = []
+        for key in keys:
+            lease = self.l1.lease(key)
+            if lease is None:
+                break
+            self._seen(key, committed=False)
+            leases.append(lease)
+        return leases
 
     def reserve(
         self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""

@@ -16,8 +16,11 @@ from kvtier.server.main import KvtierServer
 
 
 def die_at_acquire(store, n: int) -> None:
-    """Make ``store``'s Nth ``acquire`` (what a retrieve runs) end the process."""
+    """Make ``store``'s Nth ``acquire`` (what a retrieve runs) end the process; and pin nothing
+    at lookups, so that every load retrieves (a load from a lookup's pin reads the arena, which
+    outlives the server: it never sees the server die)."""
     acquire, calls = store.acquire, [0]
+    store.lease_resident = lambda keys: []
 
     def dying_acquire(*args, **kwargs):
         calls[0] += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -206,3 +207,80 @@ def test_stale_arena_cleanup_removes_unlocked_arenas_and_leaves_folders_alone(mo
         assert not stale.exists() and (tmp_path / "kvtier-folder-1").is_dir() and live.path.exists()
     finally:
         live.close()
+
+
+def _lease_count(server: ServerProcess, client: KvtierClient) -> int:
+    client.ping()  # carries the handles given back
+    status = server.get("/status")
+    return status["leases_and_reservations"] - status["reserved_ahead"]
+
+
+def test_a_lookup_pins_what_the_arena_holds_and_the_load_reads_it_without_a_call(server):
+    """The scheduler's lookup leases the hit; the worker's client (another connection) reads the
+    objects through its own mapping of the arena without a retrieve, and gives the lease back."""
+    scheduler, worker = TokenCache(KvtierClient(server.url)), TokenCache(KvtierClient(server.url))
+    toks = tokens(7000, 64)
+    assert scheduler.store(NS, toks, fill_for(toks)) == 4
+    spans = scheduler.spans(NS, toks)
+    worker.key_store.ping()
+    before = _lease_count(server, worker.key_store)
+    found = scheduler.lookup_spans(spans, pin=True)
+    assert found.hit_tokens == 64 and found.pin is not None and set(found.pin.objects) == {s.key for s in spans}
+    assert _lease_count(server, worker.key_store) == before + 1
+    retrieves = server.get("/status")["traffic"]["requests"].get("retrieve", 0)
+    retrieval = worker.retrieve_pinned(NS, spans[1:], found.pin)  # a load past vLLM's own hit
+    assert retrieval is not None and [c.span for c in retrieval.chunks] == spans[1:]
+    assert retrieved_is_exact(retrieval, toks)
+    assert server.get("/status")["traffic"]["requests"].get("retrieve", 0) == retrieves
+    retrieval.close()
+    assert _lease_count(server, worker.key_store) == before
+    assert scheduler.lookup_spans(spans).pin is None  # asked for only
+    scheduler.key_store.close()
+    worker.key_store.close()
+
+
+def test_pinned_objects_outlive_a_clear_until_given_back(server):
+    """A pin is a lease: clearing the cache (or evicting) cannot hand its memory to another
+    object while a load may still read it."""
+    client = KvtierClient(server.url)
+    cache = TokenCache(client)
+    toks, other = tokens(8000, 32), tokens(8100, 32)
+    assert cache.store(NS, toks, fill_for(toks)) == 2
+    spans = cache.spans(NS, toks)
+    pin = cache.lookup_spans(spans, pin=True).pin
+    assert client.clear() >= 2  # memory and disk
+    held = _memory_used(server, client)  # the pinned objects' memory is still theirs
+    assert cache.store(NS, other, fill_for(other)) == 2  # new objects, elsewhere in the arena
+    with cache.retrieve_pinned(NS, spans, pin) as retrieval:
+        assert len(retrieval.chunks) == 2 and retrieved_is_exact(retrieval, toks)
+    assert cache.lookup_spans(spans).hit_tokens == 0
+    assert client.clear() >= 2
+    assert _memory_used(server, client) < held  # freed with the retrieval's release
+    client.close()
+
+
+def _memory_used(server: ServerProcess, client: KvtierClient) -> int:
+    client.ping()  # carries the handles given back
+    [memory] = [t for t in server.get("/status")["tiers"] if t["medium"] == "memory"]
+    return memory["used_bytes"]
+
+
+def test_a_pin_is_refused_where_it_cannot_be_trusted_and_given_back(server):
+    client = KvtierClient(server.url)
+    cache = TokenCache(client)
+    toks = tokens(9500, 32)
+    assert cache.store(NS, toks, fill_for(toks)) == 2
+    spans = cache.spans(NS, toks)
+    before = _lease_count(server, client)
+    pin = cache.lookup_spans(spans, pin=True).pin
+    stale = dataclasses.replace(pin, leased_at=pin.leased_at - 3600)  # past half the lease timeout
+    foreign = dataclasses.replace(pin, arena=b"\0" * len(pin.arena))  # another server's arena
+    lacking = dataclasses.replace(pin, objects={spans[0].key: pin.objects[spans[0].key]})
+    assert all(cache.retrieve_pinned(NS, spans, p) is None for p in (stale, foreign, lacking))
+    frames = TokenCache(KvtierClient(server.url, use_shared_memory=False))  # no mapping of the arena
+    assert frames.retrieve_pinned(NS, spans, pin) is None
+    assert frames.lookup_spans(spans, pin=True).pin is None and frames.lookup_spans(spans).hit_tokens == 32
+    client.unpin(pin)
+    assert _lease_count(server, client) == before
+    frames.key_store.close()
+    client.close()

@@ -165,9 +165,18 @@ def test_requests_keep_stepping_while_another_loads(engines, reference):
 
 
 def _withhold_after(store, kept: int):
-    """The store's next ``acquire`` hands out only its first ``kept`` objects, as if the rest had
-    been evicted between the lookup and the load; later ones are the store's own."""
-    acquire = store.acquire
+    """The store's next lookup pin of more than ``kept`` objects, and its next ``acquire`` (which
+    the load falls back to, the pin lacking objects), hand out only the first ``kept``, as if the
+    rest had been evicted between the lookup and the load; later ones are the store's own."""
+    acquire, lease_resident = store.acquire, store.lease_resident
+
+    def short_pin(keys):
+        if len(keys) <= kept:
+            return lease_resident(keys)
+        store.lease_resident = lease_resident
+        leases = lease_resident(keys)
+        store.release(leases[kept:])
+        return leases[:kept]
 
     def short_acquire(keys, *args, **kwargs):
         store.acquire = acquire
@@ -175,6 +184,7 @@ def _withhold_after(store, kept: int):
         store.release(leases[kept:])
         return leases[:kept]
 
+    store.lease_resident = short_pin
     store.acquire = short_acquire
 
 

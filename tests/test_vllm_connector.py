@@ -302,14 +302,16 @@ def _round_trips(server) -> dict[str, int]:
 
 
 @pytest.mark.vllm
-def test_a_warm_request_costs_three_round_trips_and_hashes_each_chunk_once(engines, reference, server):
+def test_a_warm_request_costs_two_round_trips_and_hashes_each_chunk_once(engines, reference, server):
     """Counted by the server's own per-request counters and the engine process's hash counter:
-    a warm request asks the server once to look up (partial chunks included), once to retrieve,
-    once to release; its scheduler hashes each chunk of the prompt once, and its worker never."""
+    a warm request asks the server once to look up (partial chunks included; the lookup leases
+    what it found, so the worker's load needs no retrieve of its own) and once to release; its
+    scheduler hashes each chunk of the prompt once, and its worker never."""
     one = engines["one"]
     assert_same(_ask(one, "g1"), reference["g1"], "cold g1")
     one.drain()
     calls_before, hashes_before = _round_trips(server), one.stats()["chunk_hashes"]
+    pinned_before = one.stats()["worker"]["pinned_retrieves"]
     warm = _ask(one, "g1")
     assert warm["num_cached_tokens"] == len(PROMPTS["g1"]) - 1
     assert_same(warm, reference["g1"], "warm g1")
@@ -318,7 +320,8 @@ def test_a_warm_request_costs_three_round_trips_and_hashes_each_chunk_once(engin
         time.sleep(0.05)  # the release goes off the engine's path, in a thread
     calls = {op: n - calls_before.get(op, 0) for op, n in _round_trips(server).items()}
     calls = {op: n for op, n in calls.items() if n}
-    assert calls == {"lookup": 1, "retrieve": 1, "release": 1}  # TP 1: one rank
+    assert calls == {"lookup": 1, "release": 1}  # TP 1: one rank
+    assert one.stats()["worker"]["pinned_retrieves"] == pinned_before + 1
     chunks = -(-len(PROMPTS["g1"]) // CHUNK)  # 6 whole chunks and the tail
     assert one.stats()["chunk_hashes"] - hashes_before == chunks
 

@@ -240,7 +240,15 @@ class CacheService:
                 self.metrics.hit_tokens.labels(tier).inc(span.num_tokens)
             if partial >= 0:
                 self.metrics.hit_tokens.labels(located.partial_tier).inc(partials[len(hit)][located.partial].num_tokens)
-        return self._reply(p.LookupReply(tiers=located.tiers, partial=partial, partial_tier=located.partial_tier))
+        reply = p.LookupReply(tiers=located.tiers, partial=partial, partial_tier=located.partial_tier)
+        if request.pin and self.arena.path is not None and not self._stale(request.arena):
+            keys = [span.key for span in hit] + ([request.partials[partial]] if partial >= 0 else [])
+            leases = self.store.lease_resident(keys) if keys else []
+            if leases:
+                ident = self._hold(_Held(self._deadline(), leases=leases))
+                reply = msgspec.structs.replace(reply, lease=ident, offsets=[lease.offset for lease in leases],
+                                                sizes=[len(lease.view) for lease in leases])
+        return self._reply(reply)
 
     def _stale(self, arena: bytes) -> bool:
         return arena != self.arena.nonce[: p.ARENA_ID_SIZE]

@@ -38,7 +38,7 @@ import msgspec
 from kvtier.events import MAX_RECORD_BYTES, CacheEvent
 from kvtier.schema import TenantName
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 #: Shared-memory requests name the arena they mean by this many bytes of its nonce, so a client
 #: still mapping the arena of a server that has since restarted is refused ("stale-arena"),
 #: never handed offsets into memory that now means something else.
@@ -82,6 +82,8 @@ class Lookup(_Request, tag="lookup"):
     partials: Keys = []
     partial_at: Positions = []
     partial_ends: Positions = []
+    pin: bool = False  # also lease the hit's objects the arena holds now, for the load that follows
+    arena: bytes = b""  # with pin: the client's arena id (no pin in another arena)
 
 
 class Reserve(_Request, tag="reserve"):
@@ -174,9 +176,15 @@ class Pong(_Reply, tag="pong"):
 
 
 class LookupReply(_Reply, tag="lookup"):
+    """With ``pin``: one ``lease`` (0: none) on the longest prefix of the hit's objects (its
+    chunks, then the partial chunk found) that the arena holds, at ``offsets`` with ``sizes``."""
+
     tiers: list[str]  # the highest tier holding each chunk of the hit prefix
     partial: int = -1  # index into the request's partials of the one found; -1: none
     partial_tier: str = ""
+    lease: int = 0
+    offsets: list[int] = []
+    sizes: list[int] = []
 
 
 SlotState = Literal["slot", "cached", "full"]

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkSpan, Namespace, PrefixKeys
+from kvtier.keystore import Pin
 from kvtier.layout import DTYPE_SIZES, KVLayout
 from kvtier.tiers.tenants import salt_label, valid_tenant
 
@@ -326,6 +327,9 @@ class LoadJob:
     block_ids: list[list[int]]
     tiers: list[str] = field(default_factory=list)  # the tier of each chunk of the hit, from token 0
     asynchronous: bool = False
+    # per rank and group, the objects the lookup leased (KeyStore.locate's pin): the worker loads
+    # from them without a call, or gives them back; either way the job owns them
+    pins: list[list[Pin | None]] = field(default_factory=list)
 
 
 @dataclass

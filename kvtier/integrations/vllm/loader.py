@@ -1,10 +1,11 @@
 """Worker side, loads: the KV the scheduler found in kvtier goes into the blocks vLLM gave the
 request, in the step or beside it.
 
-    synchronous job  (start_load_kv, engine thread, before the forward pass) one retrieve per
-                     request, pages copied into vLLM's blocks, objects released off the engine's
-                     path. With ``layerwise_load`` the copies run on a copy thread layer by layer,
-                     and the forward pass waits for each layer just before its attention
+    synchronous job  (start_load_kv, engine thread, before the forward pass) the objects the
+                     lookup pinned (no call), else one retrieve per request; pages copied into
+                     vLLM's blocks, objects released off the engine's path. With
+                     ``layerwise_load`` the copies run on a copy thread layer by layer, and the
+                     forward pass waits for each layer just before its attention
                      (``wait_for_layer``); the step's copies end by ``finish_step``.
     asynchronous job (loader thread) the same retrieve and copy while the engine steps the other
                      requests; the request waits in vLLM's WAITING_FOR_REMOTE_KVS until the job
@@ -43,6 +44,7 @@ import numpy as np
 from kvtier.cache import Retrieval, TokenCache
 from kvtier.integrations.vllm.blocks import PagedKV
 from kvtier.integrations.vllm.common import NULL_BLOCK, LoadJob, LoadSample
+from kvtier.keystore import Pin
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.worker import KvtierWorker
@@ -177,14 +179,19 @@ class Loader:
         spaces = self.worker.namespaces.get(self.worker.tp_rank, job.scope)
         chunk = cache.chunk_size or 1
         spans = job.spans[self.worker.tp_rank][g]
-        runs = itertools.groupby(spans, key=lambda s: job.tiers[s.start // chunk] if s.start // chunk < len(job.tiers) else "")
+        tier_of = lambda s: job.tiers[s.start // chunk] if s.start // chunk < len(job.tiers) else ""  # noqa: E731
+        pin = _take_pin(job, self.worker.tp_rank, g)
+        pinned = cache.retrieve_pinned(spaces[g], spans, pin) if pin is not None else None
+        if pin is not None and pinned is None:
+            cache.key_store.unpin(pin)
+        runs = [(tier_of(spans[0]), spans)] if pinned is not None else itertools.groupby(spans, key=tier_of)
         retrievals = []
         asked = time.perf_counter()
         try:
             for tier, run in runs:
                 run = list(run)
                 started = time.perf_counter()
-                retrievals.append(cache.retrieve_spans(spaces[g], run))
+                retrievals.append(pinned if pinned is not None else cache.retrieve_spans(spaces[g], run))
                 figures = by_tier.setdefault(tier, [0, 0, 0.0])
                 got = retrievals[-1].chunks
                 tokens = sum(max(c.span.end, job.start) - max(c.span.start, job.start) for c in got)
@@ -200,6 +207,7 @@ class Loader:
         finally:
             if count:
                 self.worker.stats.retrieve_s += time.perf_counter() - asked
+                self.worker.stats.pinned_retrieves += pinned is not None
         if len(retrievals) == 1:
             return retrievals[0]
         return Retrieval([c for r in retrievals for c in r.chunks], lambda: [r.close() for r in retrievals])
@@ -210,19 +218,22 @@ class Loader:
         end, and the retrieves timed by tier."""
         loaded = [job.start] * len(self.worker.engine.groups)
         by_tier: dict[str, list[float]] = {}
-        for g, group in enumerate(self.worker.engine.groups):
-            retrieval = None
-            try:
-                retrieval = self.retrieve(job, cache, g, by_tier)
-                loaded[g] = scatter(self.worker, g, pages[g], job, retrieval)
-                pages[g].synchronize()  # before the objects are released
-            except Exception:
-                log.exception("kvtier: load for request %s failed", job.req_id)
-            finally:
-                if retrieval is not None:
-                    release(retrieval.close)
-            if loaded[g] < job.end:
-                break
+        try:
+            for g, group in enumerate(self.worker.engine.groups):
+                retrieval = None
+                try:
+                    retrieval = self.retrieve(job, cache, g, by_tier)
+                    loaded[g] = scatter(self.worker, g, pages[g], job, retrieval)
+                    pages[g].synchronize()  # before the objects are released
+                except Exception:
+                    log.exception("kvtier: load for request %s failed", job.req_id)
+                finally:
+                    if retrieval is not None:
+                        release(retrieval.close)
+                if loaded[g] < job.end:
+                    break
+        finally:
+            give_back_pins(job, self.worker.tp_rank, cache)  # of groups it never reached
         return min(loaded), [LoadSample(tier, int(t), int(b), s) for tier, (t, b, s) in by_tier.items()]
 
     def _report(self, job: LoadJob, done: int, seconds: float, samples: list[LoadSample] = ()) -> None:
@@ -249,6 +260,22 @@ class Loader:
         if done < job.end:
             log.warning("kvtier: loaded %d of %d tokens for request %s; vLLM recomputes the rest",
                         done - job.start, job.end - job.start, job.req_id)
+
+
+def _take_pin(job: LoadJob, rank: int, g: int) -> Pin | None:
+    """The lookup's pin of rank ``rank`` and group ``g``, now the caller's to use or give back."""
+    if rank >= len(job.pins) or g >= len(job.pins[rank]):
+        return None
+    pin, job.pins[rank][g] = job.pins[rank][g], None
+    return pin
+
+
+def give_back_pins(job: LoadJob, rank: int, cache: TokenCache) -> None:
+    """Give back the pins of rank ``rank`` no retrieve took."""
+    for g in range(len(job.pins[rank]) if rank < len(job.pins) else 0):
+        pin = _take_pin(job, rank, g)
+        if pin is not None:
+            cache.key_store.unpin(pin)
 
 
 def scatter(worker: "KvtierWorker", g: int, pages: PagedKV, job: LoadJob, retrieval,
@@ -319,6 +346,8 @@ class _LayerwiseCopies:
                 log.exception("kvtier: load for request %s failed", job.req_id)
                 self.loader._report(job, job.start, 0.0)
                 continue
+            finally:
+                give_back_pins(job, worker.tp_rank, self.loader.cache)
             retrieved.append((job, retrieval, [LoadSample(t, int(a), int(b), c) for t, (a, b, c) in by_tier.items()]))
         self._copied = 0
         self._pending = self._thread.submit(self._copy, worker, len(group.layer_names), retrieved, started)

@@ -79,6 +79,8 @@ FIGURES = (
     Figure("async_loads", "async_loads", "Load jobs of those run on the loader thread while the engine stepped others"),
     Figure("async_load_seconds", "async_load_s", "Time asynchronous loads took on the loader thread, off the engine's path"),
     Figure("retrieve_seconds", "retrieve_s", "Part of the load time spent getting the chunks from kvtier"),
+    Figure("pinned_retrieves", "pinned_retrieves",
+           "Retrieves served by the leases the lookup took, without a call to the kvtier server"),
     Figure("saves", "saves", "Save jobs stored by the workers' saver threads"),
     Figure("save_bytes", "save_bytes", "KV bytes written into kvtier by saves (whole pages)"),
     Figure("group_save_bytes", "save_bytes_by_group", "KV bytes written into kvtier by saves, by KV-cache group"

@@ -55,6 +55,7 @@ import numpy as np
 
 from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
 from kvtier.keys import ChunkSpan, PrefixKeys, prefix_keys
+from kvtier.keystore import Pin
 from kvtier.integrations.vllm.common import (
     EngineLayout,
     KvtierConnectorMetadata,
@@ -96,6 +97,7 @@ class _Lookup:
     stored: int  # prompt tokens taken as stored already: saves start there
     spans: list[list[list[ChunkSpan]]] = field(default_factory=list)  # per TP rank and group, the objects hit
     asynchronous: bool = False  # the load takes vLLM's asynchronous path (the answer vLLM was given)
+    pins: list[list[Pin | None]] = field(default_factory=list)  # per TP rank and group: the lookup's leases
 
 
 @dataclass
@@ -215,6 +217,8 @@ class KvtierScheduler:
         known = self._lookups.get(request.request_id)
         if known is not None and known.num_computed == num_computed_tokens:
             return known.load, known.asynchronous  # asked again (the request was not admitted last step)
+        if known is not None:
+            self._unpin(known.pins)
         prompt = request.prompt_token_ids
         if len(prompt) - 1 <= num_computed_tokens:
             # vLLM's own cache holds the whole prompt: it was stored when it was computed
@@ -230,12 +234,14 @@ class KvtierScheduler:
             return None, False
         started = time.perf_counter()
         keys = self._request_keys(request.request_id, scope, prompt, chunk)
-        hit, tiers, spans = self._lookup(keys, len(prompt))
+        hit, tiers, spans, pins = self._lookup(keys, len(prompt))
         pending = self._worth_waiting(len(prompt), hit, num_computed_tokens) and self._being_saved(keys[0][0], hit, chunk)
         self.stats.lookup_s += time.perf_counter() - started
         if expected and not self._prefill_arrived(request.request_id, hit, min(expected, len(prompt)), now):
+            self._unpin(pins)
             return None, False
         if pending:
+            self._unpin(pins)
             self.stats.deferred += 1
             return None, False
         self.stats.lookups += 1
@@ -247,7 +253,10 @@ class KvtierScheduler:
         hit = self._worth_loading(request.request_id, scope, tiers, spans, chunk, num_computed_tokens, hit)
         load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
         asynchronous = self._loads_async(load, request.request_id)
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans, asynchronous)
+        if not load:
+            self._unpin(pins)
+            pins = []
+        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans, asynchronous, pins)
         return load, asynchronous
 
     def _loads_async(self, load: int, req_id: ReqId) -> bool:
@@ -328,22 +337,27 @@ class KvtierScheduler:
             self.stats.prefill_waits += 1
         return True
 
-    def _lookup(self, keys: list[list[PrefixKeys]], prompt_len: int) -> tuple[int, list[str], list[list[list[ChunkSpan]]]]:
+    def _lookup(self, keys: list[list[PrefixKeys]], prompt_len: int
+                ) -> tuple[int, list[str], list[list[list[ChunkSpan]]], list[list[Pin | None]]]:
         """(tokens hit on every TP rank and group, tier of each chunk, the objects each rank and
-        group hit): one ``locate`` per rank and group, partial-chunk candidates included. Ranks
-        are asked again with a lower limit until they agree (they differ only after evictions)."""
+        group hit, the pins of each rank and group's lookup): one ``locate`` per rank and group,
+        partial-chunk candidates included. Ranks are asked again with a lower limit until they
+        agree (they differ only after evictions)."""
         limit = prompt_len
         while True:
             found = [self._lookup_rank(rank_keys, prompt_len, limit) for rank_keys in keys]
-            hit = min(h for h, _, _ in found)
-            if hit == 0 or all(h == hit for h, _, _ in found):
-                return hit, found[0][1], [spans for _, _, spans in found]
+            hit = min(h for h, _, _, _ in found)
+            pins = [rank_pins for _, _, _, rank_pins in found]
+            if hit == 0 or all(h == hit for h, _, _, _ in found):
+                return hit, found[0][1], [spans for _, _, spans, _ in found], pins
+            self._unpin(pins)
             limit = hit
 
-    def _lookup_rank(self, keys: list[PrefixKeys], prompt_len: int, limit: int) -> tuple[int, list[str], list[list[ChunkSpan]]]:
+    def _lookup_rank(self, keys: list[PrefixKeys], prompt_len: int, limit: int
+                     ) -> tuple[int, list[str], list[list[ChunkSpan]], list[Pin | None]]:
         groups = self.engine.groups
         attention = {
-            g: self.cache.lookup_spans(keys[g].spans, keys[g].partials)
+            g: self.cache.lookup_spans(keys[g].spans, keys[g].partials, pin=True)
             for g, group in enumerate(groups)
             if group.retention != "state"
         }
@@ -353,7 +367,15 @@ class KvtierScheduler:
 
         hit = best_end(groups, keys, attention, find_state, prompt_len, self.block_size, limit)
         tiers = next(iter(attention.values())).tiers if hit else []
-        return hit, tiers, [hit_spans(group, keys[g], attention.get(g), hit) for g, group in enumerate(groups)]
+        pins = [attention[g].pin if g in attention else None for g in range(len(groups))]
+        return hit, tiers, [hit_spans(group, keys[g], attention.get(g), hit) for g, group in enumerate(groups)], pins
+
+    def _unpin(self, pins: list[list[Pin | None]]) -> None:
+        """Give back the pins of a lookup no load job took."""
+        for rank_pins in pins:
+            for pin in rank_pins:
+                if pin is not None:
+                    self.cache.key_store.unpin(pin)
 
     @staticmethod
     def _worth_waiting(prompt: int, hit: int, local: int) -> bool:
@@ -409,6 +431,8 @@ class KvtierScheduler:
             tracked = self._requests[request.request_id] = _Tracked(scope, prompt, stored, request)
         else:  # resumed after a preemption
             tracked.saved_upto = max(tracked.saved_upto, stored)
+        if known is not None and num_external_tokens <= 0:
+            self._unpin(known.pins)
         if num_external_tokens <= 0 or known is None:
             return
         start = known.num_computed
@@ -417,6 +441,7 @@ class KvtierScheduler:
         block_ids = [list(blocks.get_block_ids()[g.index][first:last]) for g in self.engine.groups]
         if start % self.block_size or (end % self.block_size and end != len(prompt) - 1) or end > hit:
             log.error("kvtier: vLLM asked for tokens [%d, %d) of a %d-token hit; not loading", start, end, hit)
+            self._unpin(known.pins)
             if known.asynchronous:  # the request waits for its load: an empty one fails, vLLM recomputes
                 empty = [[[] for _ in self.engine.groups] for _ in range(self.engine.tp_size)]
                 self._loads.append(LoadJob(request.request_id, scope, empty, start, end, block_ids, asynchronous=True))
@@ -425,7 +450,8 @@ class KvtierScheduler:
             [load_spans(group, group_spans, start, end) for group, group_spans in zip(self.engine.groups, rank_spans)]
             for rank_spans in known.spans
         ]
-        self._loads.append(LoadJob(request.request_id, scope, spans, start, end, block_ids, known.tiers, known.asynchronous))
+        self._loads.append(LoadJob(request.request_id, scope, spans, start, end, block_ids, known.tiers, known.asynchronous,
+                                   known.pins))
         self.stats.load_tokens += num_external_tokens
         self.stats.hits_by_tier.update(tokens_by_tier(known.tiers, self.chunk_size() or self.block_size, start, end))
 
@@ -539,7 +565,9 @@ class KvtierScheduler:
         the workers report it sent), and forget the request; for a prefill asked by the proxy,
         the kv_transfer_params to answer."""
         self._running.discard(request.request_id)
-        self._lookups.pop(request.request_id, None)
+        known = self._lookups.pop(request.request_id, None)
+        if known is not None:
+            self._unpin(known.pins)
         self._waiting.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)
         tracked = self._requests.pop(request.request_id, None)

@@ -52,6 +52,7 @@ class WorkerStats:
     async_load_s: float = 0.0  # their time, off the engine's path
     probes: int = 0  # probe jobs read (and released uncopied) on the probe thread
     retrieve_s: float = 0.0
+    pinned_retrieves: int = 0  # retrieves that used the lookup's pin: no call of their own
     stage_s: float = 0.0  # on the engine's path: copying pages out of vLLM's blocks
     saves: int = 0
     saved_chunks: int = 0
