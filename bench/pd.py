@@ -8,7 +8,7 @@ storing them (prefill side) plus retrieving and copying them into vLLM's blocks 
 Its floor is one memcpy of the same bytes in this process (a transfer makes three copies: pages
 to staging, staging to the server's shared memory, shared memory to pages) and the server round
 trips it costs, counted by the server (a save's Commit, with Reserve while the client's pool of
-slots reserved ahead is short; a load's lookup and Retrieve, its release riding on a later request
+slots reserved ahead is short; a load's lookup, which pins what the load reads (a Retrieve only for what it could not pin), its release riding on a later request
 or sent alone after 50 ms). A second decode
 engine loads the same KV as one on another host would, as message frames over the socket
 ("load, frames"; not in the ratio).
