@@ -98,6 +98,12 @@ def _sealed_copy(view: memoryview) -> bytearray:
     return copy
 
 
+def _arena_lease(arena: SharedArena, key: bytes, offset: int, size: int, lease: int) -> Lease:
+    """A read-only view of a leased object in this process's mapping of the server's arena."""
+    view = memoryview(arena.memory)[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size].toreadonly()
+    return Lease(key, view, offset, pinned=True, lease=lease)
+
+
 def _remaining_ms(deadline: float) -> int:
     remaining = int((deadline - time.monotonic()) * 1000)
     if remaining <= 0:
@@ -320,13 +326,7 @@ class KvtierClient:
             fresh = time.monotonic() - pin.leased_at < self._lease_timeout_s / 2
             if self._arena is None or pin.arena != self._arena_id or not fresh or any(k not in pin.objects for k in keys):
                 return None
-            memory = memoryview(self._arena.memory)
-        leases = []
-        for key in keys:
-            offset, size = pin.objects[key]
-            view = memory[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size].toreadonly()
-            leases.append(Lease(key, view, offset, pinned=True, lease=pin.lease))
-        return leases
+            return [_arena_lease(self._arena, key, *pin.objects[key], pin.lease) for key in keys]
 
     def unpin(self, pin: Pin) -> None:
         self._give_back({pin.lease})
@@ -350,8 +350,7 @@ class KvtierClient:
         leases = []
         for key, offset, size in zip(keys, reply.offsets, reply.sizes):
             if offset >= 0:
-                view = memoryview(arena.memory)[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size].toreadonly()
-                leases.append(Lease(key, view, offset, pinned=True, lease=reply.lease))
+                leases.append(_arena_lease(arena, key, offset, size, reply.lease))
             else:
                 leases.append(Lease(key, next(frames), pinned=False, checked=False))
         return leases
