@@ -180,13 +180,13 @@ class Loader:
         chunk = cache.chunk_size or 1
         spans = job.spans[self.worker.tp_rank][g]
         tier_of = lambda s: job.tiers[s.start // chunk] if s.start // chunk < len(job.tiers) else ""  # noqa: E731
+        asked = time.perf_counter()  # the pin's views are part of getting the chunks too
         pin = _take_pin(job, self.worker.tp_rank, g)
         pinned = cache.retrieve_pinned(spaces[g], spans, pin) if pin is not None else None
         if pin is not None and pinned is None:
             cache.key_store.unpin(pin)
         runs = [(tier_of(spans[0]), spans)] if pinned is not None else itertools.groupby(spans, key=tier_of)
         retrievals = []
-        asked = time.perf_counter()
         try:
             for tier, run in runs:
                 run = list(run)
