@@ -425,10 +425,15 @@ def test_embedded_mode_with_vllm_prefix_caching_on(tiny_model_path, workdir, env
         assert_same(_ask(engine, "a1"), reference["a1"], "embedded cold a1")
         engine.drain()
         engine.reset_prefix_cache()  # vLLM forgets; kvtier still has the document
+        before = engine.stats()["scheduler"]
         warm = _ask(engine, "a2")
         assert warm["num_cached_tokens"] == len(DOC_A)
         assert_same(warm, reference["a2"], "embedded warm a2")
-        local = _ask(engine, "a3")  # now vLLM's own prefix cache holds it
+        middle = engine.stats()["scheduler"]
+        assert (middle["lookups"], middle["skipped_lookups"]) == (before["lookups"] + 1, before["skipped_lookups"])
+        local = _ask(engine, "a3")  # now vLLM's own prefix cache holds it but the question (under a block)
         assert local["num_cached_tokens"] >= len(DOC_A)
         assert_same(local, reference["a3"], "a3 from vLLM's prefix cache")
+        after = engine.stats()["scheduler"]  # not looked up: loading less than a block is not worth a call
+        assert (after["lookups"], after["skipped_lookups"]) == (middle["lookups"], middle["skipped_lookups"] + 1)
         assert engine.stats()["worker"]["loaded_tokens"] == len(DOC_A)

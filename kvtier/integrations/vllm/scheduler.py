@@ -126,6 +126,7 @@ class _InFlight:
 @dataclass
 class SchedulerStats:
     lookups: int = 0
+    lookups_skipped: int = 0  # prompts vLLM's own cache held but for less than a block: not looked up
     lookup_tokens: int = 0
     hit_tokens: int = 0
     load_tokens: int = 0
@@ -220,9 +221,13 @@ class KvtierScheduler:
         if known is not None:
             self._unpin(known.pins)
         prompt = request.prompt_token_ids
-        if len(prompt) - 1 <= num_computed_tokens:
-            # vLLM's own cache holds the whole prompt: it was stored when it was computed
-            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, 0, [], len(prompt))
+        if len(prompt) - 1 - num_computed_tokens < self.block_size:
+            # vLLM's own cache holds the prompt but for less than a block: a lookup would cost a
+            # round trip to save at most that much compute. What it holds was stored when it was
+            # computed; the rest is computed and saved from there
+            stored = len(prompt) if len(prompt) - 1 <= num_computed_tokens else num_computed_tokens
+            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, 0, [], stored)
+            self.stats.lookups_skipped += 1
             return 0, False
         chunk = self._chunk_size_or_connect()
         if chunk is None:
