@@ -52,6 +52,7 @@ PROMPTS = {
     "a1": DOC_A + Q[0],
     "a2": DOC_A + Q[1],
     "a3": DOC_A + Q[2],
+    "a_short": DOC_A + Q[3][:8],  # a question shorter than UNLOOKED_TOKENS
     "b1": DOC_B + Q[0],  # caches 1664 tokens: 6 chunks and a partial chunk of 128
     "b_long": DOC_B + _tokens(5, 256) + Q[1],  # its 7th full chunk misses; the partial one hits
     "c1": DOC_C + Q[0],
@@ -431,9 +432,14 @@ def test_embedded_mode_with_vllm_prefix_caching_on(tiny_model_path, workdir, env
         assert_same(warm, reference["a2"], "embedded warm a2")
         middle = engine.stats()["scheduler"]
         assert (middle["lookups"], middle["skipped_lookups"]) == (before["lookups"] + 1, before["skipped_lookups"])
-        local = _ask(engine, "a3")  # now vLLM's own prefix cache holds it but the question (under a block)
+        local = _ask(engine, "a3")  # now vLLM's own prefix cache holds it but the question
         assert local["num_cached_tokens"] >= len(DOC_A)
         assert_same(local, reference["a3"], "a3 from vLLM's prefix cache")
-        after = engine.stats()["scheduler"]  # not looked up: loading less than a block is not worth a call
-        assert (after["lookups"], after["skipped_lookups"]) == (middle["lookups"], middle["skipped_lookups"] + 1)
+        after = engine.stats()["scheduler"]  # looked up: a question of 24 tokens could be held
+        assert (after["lookups"], after["skipped_lookups"]) == (middle["lookups"] + 1, middle["skipped_lookups"])
+        short = _ask(engine, "a_short")  # 7 tokens past vLLM's hit: computed, not looked up
+        assert short["num_cached_tokens"] >= len(DOC_A)
+        assert_same(short, reference["a_short"], "a_short from vLLM's prefix cache")
+        last = engine.stats()["scheduler"]
+        assert (last["lookups"], last["skipped_lookups"]) == (after["lookups"], after["skipped_lookups"] + 1)
         assert engine.stats()["worker"]["loaded_tokens"] == len(DOC_A)

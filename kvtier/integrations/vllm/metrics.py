@@ -63,7 +63,7 @@ FIGURES = (
     Figure("load_probes", "load_probes", "Reads of one chunk of a tier skipped for being slow, beside the engine, to measure it again (load_probe_s)"),
     Figure("lookups", "lookups", "Prompt lookups kvtier answered"),
     Figure("skipped_lookups", "lookups_skipped",
-           "Prompts not looked up: vLLM's own cache held all of them but less than a block"),
+           "Prompts not looked up: vLLM's own cache held all of them, or all but a few tokens"),
     Figure("lookup_seconds", "lookup_s", "Time the scheduler spent on kvtier lookups"),
     Figure("deferred_lookups", "deferred", "Lookups answered 'not yet': the prompt's next chunk was being saved"),
     Figure("history_tokens", "history_tokens",

@@ -84,6 +84,10 @@ log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
 #: Half-life of the load-or-recompute measurements' weight (load_costs.py).
 COST_HALF_LIFE_S = 60.0
+#: Fewer prompt tokens than this past vLLM's own hit are computed without a lookup: computing
+#: them costs about what one token does (bench/vllm_ttft.py: its floor, 16 tokens after a 4k hit,
+#: takes what its full hit, one token, takes), less than a round trip to the server.
+UNLOOKED_TOKENS = 16
 #: Least time between two lookups of a request that waits (vLLM asks every millisecond or so).
 WAIT_POLL_S = 0.005
 
@@ -221,18 +225,19 @@ class KvtierScheduler:
         if known is not None:
             self._unpin(known.pins)
         prompt = request.prompt_token_ids
-        if len(prompt) - 1 - num_computed_tokens < self.block_size:
-            # vLLM's own cache holds the prompt but for less than a block: a lookup would cost a
-            # round trip to save at most that much compute. What it holds was stored when it was
-            # computed; the rest is computed and saved from there
-            stored = len(prompt) if len(prompt) - 1 <= num_computed_tokens else num_computed_tokens
+        expected = _prefilled_tokens(request)
+        left = len(prompt) - 1 - num_computed_tokens  # what a load could spare vLLM computing
+        if left <= 0 or (num_computed_tokens and not expected and left < UNLOOKED_TOKENS):
+            # vLLM's own cache holds the prompt, or all of it but a few tokens, which cost
+            # vLLM no more to compute than a lookup's round trip costs. What it holds was
+            # stored when it was computed; the rest is computed and saved from there
+            stored = len(prompt) if left <= 0 else num_computed_tokens
             self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, 0, [], stored)
             self.stats.lookups_skipped += 1
             return 0, False
         chunk = self._chunk_size_or_connect()
         if chunk is None:
             return 0, False
-        expected = _prefilled_tokens(request)
         waiting = self._waiting.get(request.request_id) if expected else None
         now = time.monotonic()
         if waiting is not None and now - waiting.last_lookup < WAIT_POLL_S:
