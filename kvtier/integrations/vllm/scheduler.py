@@ -130,7 +130,7 @@ class _InFlight:
 @dataclass
 class SchedulerStats:
     lookups: int = 0
-    lookups_skipped: int = 0  # prompts vLLM's own cache held but for less than a block: not looked up
+    lookups_skipped: int = 0  # prompts vLLM's own cache held, or all but UNLOOKED_TOKENS of: not looked up
     lookup_tokens: int = 0
     hit_tokens: int = 0
     load_tokens: int = 0
