@@ -3,6 +3,8 @@
     lookup    tokens --chunk+hash--> keys --locate--> the longest cached prefix, and its tiers
     retrieve  the cached chunks of a token range as raw KV, checked against the layout
     store     per chunk not cached yet: reserve a slot, fill it with raw KV, seal it, commit
+    lend      slots for chunks taken without waiting (a caller that must not wait fills them),
+              then commit_filled: seal, commit
 
 The same cache serves an embedded ``TieredStore`` and a ``KvtierClient`` of ``kvtier server``,
 and every engine integration (vLLM's connector, transformers, CacheBlend). Callers that keep
@@ -19,7 +21,7 @@ import numpy as np
 
 from kvtier.errors import ObjectError
 from kvtier.keys import ChunkSpan, Namespace, chunk_spans, spans_within
-from kvtier.keystore import KeyStore, Lease, Pin
+from kvtier.keystore import KeyStore, Lease, Pin, Reservation
 from kvtier.layout import KVLayout
 from kvtier.objects import HEADER_SIZE, decode_payload, object_size, seal
 
@@ -191,24 +193,50 @@ class TokenCache:
         re-raises."""
         if not spans:
             return 0
-        layout = namespace.layout
-        items = [(s.key, object_size(layout.payload_bytes(s.num_tokens))) for s in spans]
-        reservations = self.key_store.reserve(items, records, tenant)
+        reservations = self.key_store.reserve(self._items(namespace, spans), records, tenant)
         self.stats.failed_chunks += len(reservations) < len(spans)
         slots = [(span, r) for span, r in zip(spans, reservations) if r is not None]
         self.stats.skipped_chunks += len(reservations) - len(slots)
         try:
             for span, reservation in slots:
                 fill(span, reservation.view[HEADER_SIZE:])
-                seal(reservation.view, span.key, layout, span.num_tokens, checksum=reservation.checksum)
         except BaseException:
             self.key_store.abort([r for _, r in slots])
             raise
+        return self.commit_filled([(namespace, span, r) for span, r in slots])
+
+    def lend_spans(
+        self, groups: Sequence[tuple[Namespace, Sequence[ChunkSpan]]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[tuple[Namespace, ChunkSpan, Reservation]] | None:
+        """A slot for every span of every (namespace, spans) group, in order, taken at once and
+        without waiting (``KeyStore.lend``), or None. The caller writes each chunk's raw KV at
+        ``HEADER_SIZE`` into its slot and hands the triples to ``commit_filled``, or the slots to
+        the key store's ``abort``. ``records``: as ``store_spans``', over all the spans in order."""
+        spans = [(namespace, span) for namespace, group in groups for span in group]
+        if not spans:
+            return []
+        items = [item for namespace, span in spans for item in self._items(namespace, [span])]
+        lent = self.key_store.lend(items, records, tenant)
+        return None if lent is None else [(namespace, span, r) for (namespace, span), r in zip(spans, lent)]
+
+    def commit_filled(self, slots: Sequence[tuple[Namespace, ChunkSpan, Reservation]]) -> int:
+        """Seal filled slots and make them visible in one commit (a key cached meanwhile is not
+        stored twice); the number of chunks stored."""
         if not slots:
             return 0
-        committed = self.key_store.commit([r for _, r in slots])
-        stored = [span for (span, _), ok in zip(slots, committed) if ok]
+        try:
+            for namespace, span, reservation in slots:
+                seal(reservation.view, span.key, namespace.layout, span.num_tokens, checksum=reservation.checksum)
+        except BaseException:
+            self.key_store.abort([r for _, _, r in slots])
+            raise
+        committed = self.key_store.commit([r for _, _, r in slots])
+        stored = [span for (_, span, _), ok in zip(slots, committed) if ok]
         self.stats.dropped_chunks += len(slots) - len(stored)
         self.stats.stored_chunks += len(stored)
         self.stats.stored_tokens += sum(s.num_tokens for s in stored)
         return len(stored)
+
+    @staticmethod
+    def _items(namespace: Namespace, spans: Sequence[ChunkSpan]) -> list[tuple[bytes, int]]:
+        return [(s.key, object_size(namespace.layout.payload_bytes(s.num_tokens))) for s in spans]

@@ -438,15 +438,38 @@ class KvtierClient:
             reservations.append(Reservation(key, view, offset, slot, tenant=tenant))  # sealed by the server if it leaves memory
         return reservations
 
+    def lend(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[Reservation] | None:
+        """Slots for every item from the pool of slots reserved ahead, or None: no shared arena,
+        the pool is short, or another thread of this client is in a call. Never waits, so an
+        engine's thread can copy KV straight into the arena in its step."""
+        if not items or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._arena is None or self._socket is None:
+                return None
+            self._expire_pool()
+            if len(self._pool) < len(items) or any(a.size < size for a, (_, size) in zip(self._pool, items)):
+                return None
+            return self._lend_ahead(items, records, tenant)
+        finally:
+            self._lock.release()
+
+    def _expire_pool(self) -> None:
+        """Give back the pool's slots too close to expiring on the server."""
+        now = time.monotonic()
+        while self._pool and self._pool[0].use_by < now:
+            self._done.append(self._pool.popleft().slot)
+
     def _lend_ahead(
         self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes], tenant: str
     ) -> list[Reservation]:
         """Reservations for the first items from slots reserved ahead (a slot holds an object of
         its size or smaller), while the pool has one fresh enough."""
-        now, memory, out = time.monotonic(), memoryview(self._arena.memory), []
+        memory, out = memoryview(self._arena.memory), []
         for i, (key, size) in enumerate(items):
-            while self._pool and self._pool[0].use_by < now:  # too close to expiring: give it back
-                self._done.append(self._pool.popleft().slot)
+            self._expire_pool()
             if not self._pool or self._pool[0].size < size:
                 break
             ahead = self._pool.popleft()

@@ -117,6 +117,13 @@ class KeyStore(Protocol):
         object i (kvtier.events.BlockRecord, encoded), kept beside it; ``tenant`` owns the
         objects (tiers/tenants.py; empty: the default tenant)."""
 
+    def lend(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[Reservation] | None:
+        """A slot for every item at once, taken without waiting for anything (no round trip, no
+        lock another thread holds), or None where the store cannot. The caller fills, seals and
+        commits (or aborts) them as ``reserve``'s; whether a key is cached already shows at commit."""
+
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Make filled, sealed slots visible; True for each that now is."""
 

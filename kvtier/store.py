@@ -180,6 +180,12 @@ class TieredStore:
             reservations.append(reservation)
         return reservations
 
+    def lend(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[Reservation] | None:
+        """None: a reservation here may evict, which waits for the tier's lock and its writes."""
+        return None
+
     def bind(
         self, reservation: Reservation, key: bytes, size: int, record: bytes = b"", tenant: str = ""
     ) -> Reservation | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient, StaleArena, Unavailable
 from kvtier.config import ServerConfig, convert
+from kvtier.objects import HEADER_SIZE
 from kvtier.server.main import KvtierServer
 from kvtier.server.service import AHEAD_SHARE_OF_L1
 from kvtier.wire import protocol as p
@@ -515,3 +517,43 @@ def test_a_slot_reserved_ahead_holds_a_smaller_object_and_gives_back_the_rest(se
     assert server.store.l1.usage().used_bytes == used - pages(16) + pages(5) + pages(16)
     client.close()
 
+
+
+def test_lend_gives_every_slot_from_the_pool_without_a_call_or_none(server):
+    """What an engine's thread copies KV into in its step: all the slots or none, never a round
+    trip, never a wait on another thread's call; lent slots commit as reserved ones do."""
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
+    cache = TokenCache(client)
+    toks = tokens(97_000, 48)
+    spans = cache.spans(NS, toks)
+    assert cache.lend_spans([(NS, spans)]) is None  # the pool is empty before a first store
+    first = tokens(98_000, 48)
+    assert cache.store(NS, first, fill_for(first)) == 3  # the pool now holds three slots
+    before = requests_of(server)
+    assert cache.lend_spans([(NS, spans + cache.spans(NS, tokens(99_000, 16)))]) is None  # four: too many
+    held = threading.Event()
+    done = threading.Event()
+
+    def hold_the_client():
+        with client._lock:  # as a call of another thread does, for its round trip
+            held.set()
+            done.wait(10)
+    holder = threading.Thread(target=hold_the_client)
+    holder.start()
+    held.wait(10)
+    try:
+        assert cache.lend_spans([(NS, spans)]) is None
+    finally:
+        done.set()
+        holder.join()
+    lent = cache.lend_spans([(NS, spans[:1]), (NS, spans[1:])])  # groups are flattened in order
+    assert [span for _, span, _ in lent] == spans
+    assert requests_of(server) == before  # not one call so far
+    fill = fill_for(toks)
+    for _, span, slot in lent:
+        fill(span, slot.view[HEADER_SIZE:])
+    assert cache.commit_filled(lent) == 3
+    assert {op: n - before.get(op, 0) for op, n in requests_of(server).items() if n != before.get(op, 0)} == {"commit": 1}
+    with cache.retrieve(NS, toks) as r:
+        assert r.num_tokens == 48 and retrieved_is_exact(r, toks)
+    client.close()

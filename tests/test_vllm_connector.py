@@ -46,6 +46,7 @@ DOC_B = _tokens(2, 1664)  # 13 blocks: ends in a partial chunk
 DOC_C = _tokens(3, 1536)
 DOC_D = _tokens(4, 1280)
 DOC_F = _tokens(8, 1024)  # 4 chunks of 2 blocks
+DOC_H = _tokens(12, 1280)
 Q = [_tokens(100 + i, 24) for i in range(6)]
 
 PROMPTS = {
@@ -65,6 +66,8 @@ PROMPTS = {
     "f1": DOC_F + Q[0],
     "f2": DOC_F + Q[1],
     "g1": _tokens(9, 1664) + Q[3],  # 6 chunks and a tail of 152 tokens
+    "h1": DOC_H + Q[0],
+    "h2": DOC_H + Q[1],
 }
 
 
@@ -348,6 +351,23 @@ def test_second_engine_hits_what_the_first_stored(engines, reference):
     out = _ask(two, "c2")
     assert out["num_cached_tokens"] == len(DOC_C), out
     assert_same(out, reference["c2"], "c2 on engine two")
+
+
+@pytest.mark.vllm
+def test_a_save_into_the_servers_shared_memory_is_exact_on_another_engine(engines, reference):
+    """Once a save's commit has filled the client's pool of slots reserved ahead, the next save's
+    pages go straight into slots of the server's shared memory (no staging ring); another
+    engine's answer from them equals vLLM's own."""
+    one, two = engines["one"], engines["two"]
+    assert_same(_ask(one, "h1"), reference["h1"], "h1 on engine one")
+    one.drain()
+    before = one.stats()["worker"]["saves_to_shared_memory"]
+    assert_same(_ask(one, "h2"), reference["h2"], "h2 on engine one")  # saves h2's tail
+    one.drain()
+    assert one.stats()["worker"]["saves_to_shared_memory"] > before
+    out = _ask(two, "h2")
+    assert out["num_cached_tokens"] == len(PROMPTS["h2"]) - 1, out  # the tail came from that save
+    assert_same(out, reference["h2"], "h2 on engine two")
 
 
 def vllm_pages(payload):

@@ -89,6 +89,8 @@ FIGURES = (
            " (what each kind of attention or state costs)", label=GROUP_LABEL),
     Figure("save_seconds", "save_s", "Time saves took in the saver threads, off the engine's path"),
     Figure("stage_seconds", "stage_s", "Time saves took on the engine's path (copying out of vLLM's blocks)"),
+    Figure("saves_to_shared_memory", "staged_to_slots",
+           "Saves copied straight into slots of the kvtier server's shared memory (no staging copy)"),
     Figure("dropped_saves", "dropped_saves",
            "Saves dropped: the staging buffer was full or the cache could not be reached"),
     Figure("failed_saves", "failed_saves", "Saves that failed with an error"),

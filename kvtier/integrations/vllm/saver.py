@@ -1,17 +1,23 @@
 """Worker side, saves: KV leaves vLLM's blocks in the step that computed it and reaches the cache
 off the engine's path.
 
-    wait_for_save (engine thread)   the pages of the chunks to save are copied into a staging ring
-                                    in this process: a memory copy, no network, no waiting (on
-                                    CUDA the copy is queued; the saver thread waits for its event)
+    wait_for_save (engine thread)   the pages of the chunks to save are copied out: straight into
+                                    slots of the server's shared memory where the client's pool
+                                    of slots reserved ahead lends them all at once, else into a
+                                    staging ring in this process. A memory copy, no network, no
+                                    waiting (on CUDA the copy is queued; the saver thread waits
+                                    for its event)
     saver thread                    store the chunks the scheduler named (keys, no hashing here):
-                                    reserve their slots in the cache (the server's shared memory
-                                    or the embedded L1), copy from the ring, seal, commit
+                                    seal the lent slots and commit them (one call); or reserve
+                                    slots in the cache (the server's shared memory or the
+                                    embedded L1), copy from the ring, seal, commit
 
 Copying out at once means vLLM's blocks are never read after the step: a finished or preempted
 request's blocks are free for reuse immediately, and vLLM does not keep stepping to wait for a
-save. The ring is bounded and preallocated; a save that does not fit is dropped (counted), never
-waited for, and so is every save while the cache cannot be reached.
+save. Copying into lent slots makes a transfer one copy shorter (pages to shared memory, shared
+memory to another engine's pages). The ring is bounded and preallocated; a save that does not
+fit is dropped (counted), never waited for, and so is every save while the cache cannot be
+reached.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.cache import TokenCache
-from kvtier.keys import ChunkSpan
+from kvtier.keys import ChunkSpan, Namespace
+from kvtier.keystore import Reservation
+from kvtier.objects import HEADER_SIZE
 from kvtier.integrations.vllm.common import NULL_BLOCK, SaveJob
 
 if TYPE_CHECKING:
@@ -82,7 +90,8 @@ class _Staged:
     job: SaveJob
     spans: list[list[ChunkSpan]]  # per group, the objects staged
     offsets: dict[tuple[int, bytes], tuple[int, int]]  # (group, key) -> (ring offset, bytes)
-    fences: list  # device copies into the ring still under way (CUDA events; see PagedKV.fence)
+    fences: list  # device copies into the ring or the slots still under way (CUDA events; see PagedKV.fence)
+    slots: list[tuple[Namespace, ChunkSpan, Reservation]] | None = None  # the lent slots the pages went to (no ring)
 
 
 class Saver:
@@ -108,22 +117,43 @@ class Saver:
         staged = [self._blocks(g, spans, job.block_ids[g]) for g, spans in enumerate(job.spans[worker.tp_rank])]
         if not any(staged):
             return self._finished(job)
-        total = sum(len(ids) * worker.pages[g].page_bytes for g, objects in enumerate(staged) for _, ids in objects)
-        base = self.ring.allocate(total)
-        if base is None:
-            return self._drop(job)
-        offsets, offset = {}, base
-        for g, objects in enumerate(staged):
-            for span, ids in objects:
-                size = len(ids) * worker.pages[g].page_bytes
-                worker.pages[g].gather(ids, self.ring.view(offset, size))
-                offsets[(g, span.key)] = (offset, size)
-                offset += size
+        slots = self._lend(job, staged)
+        offsets = {}
+        if slots is not None:
+            objects = [(g, span, ids) for g, group in enumerate(staged) for span, ids in group]
+            try:
+                for (g, span, ids), (_, _, slot) in zip(objects, slots):
+                    size = len(ids) * worker.pages[g].page_bytes
+                    worker.pages[g].gather(ids, slot.view[HEADER_SIZE : HEADER_SIZE + size])
+                    offsets[(g, span.key)] = (-1, size)
+            except BaseException:
+                self.cache.key_store.abort([slot for _, _, slot in slots])
+                raise
+        else:
+            total = sum(len(ids) * worker.pages[g].page_bytes for g, objects in enumerate(staged) for _, ids in objects)
+            base = self.ring.allocate(total)
+            if base is None:
+                return self._drop(job)
+            offset = base
+            for g, objects in enumerate(staged):
+                for span, ids in objects:
+                    size = len(ids) * worker.pages[g].page_bytes
+                    worker.pages[g].gather(ids, self.ring.view(offset, size))
+                    offsets[(g, span.key)] = (offset, size)
+                    offset += size
         fences = [f for f in (group_pages.fence() for group_pages in worker.pages) if f is not None]
         with self._cond:
-            self._queue.append(_Staged(job, [[span for span, _ in objects] for objects in staged], offsets, fences))
+            self._queue.append(_Staged(job, [[span for span, _ in objects] for objects in staged], offsets, fences, slots))
             self._cond.notify_all()
         worker.stats.stage_s += time.perf_counter() - started
+        worker.stats.staged_to_slots += slots is not None
+
+    def _lend(self, job: SaveJob, staged: list[list[tuple[ChunkSpan, list[int]]]]):
+        """Lent slots for every object staged, in order (``TokenCache.lend_spans``), or None."""
+        spaces = self.worker.namespaces.get(self.worker.tp_rank, job.scope)
+        groups = [(spaces[g], [span for span, _ in objects]) for g, objects in enumerate(staged)]
+        records = [r for g, (_, spans) in enumerate(groups) for r in _records(job, g, spans)]
+        return self.cache.lend_spans(groups, records, job.scope.tenant)
 
     def _blocks(self, g: int, spans: list[ChunkSpan], block_ids: list[int]) -> list[tuple[ChunkSpan, list[int]]]:
         """The objects of group ``g`` that can be stored, with vLLM's blocks each holds: one that
@@ -173,7 +203,8 @@ class Saver:
                 self.worker.stats.failed_saves += 1
                 log.exception("kvtier: save for request %s failed", staged.job.req_id)
             finally:
-                self.ring.free_oldest()
+                if staged.slots is None:
+                    self.ring.free_oldest()
                 with self._cond:
                     self._queue.popleft()
                     self._finished_jobs.append(staged.job.job_id)
@@ -182,21 +213,14 @@ class Saver:
     def _store(self, staged: _Staged) -> None:
         started = time.perf_counter()
         worker, job = self.worker, staged.job
-        for fence in staged.fences:  # the pages are in the ring (waited here, not on the engine's thread)
+        for fence in staged.fences:  # the pages are in the ring or the slots (waited here, not on the engine's thread)
             fence.synchronize()
-        spaces = worker.namespaces.get(worker.tp_rank, job.scope)
-        written, stored = [0] * len(staged.spans), 0  # bytes by group
-        for g, spans in enumerate(staged.spans):
-
-            def fill(span: ChunkSpan, dest: memoryview, g: int = g) -> None:
-                offset, size = staged.offsets[(g, span.key)]
-                # numpy lets go of the GIL for the copy (a memoryview assignment would hold it)
-                np.copyto(np.frombuffer(dest, np.uint8, size), self.ring.buffer[offset : offset + size])
+        if staged.slots is not None:
+            stored, written = self.cache.commit_filled(staged.slots), [0] * len(staged.spans)
+            for (g, _), (_, size) in staged.offsets.items():
                 written[g] += size
-
-            records = job.records[g] if job.records else {}
-            records_of = [records.get((s.start, s.end), b"") for s in spans]
-            stored += self.cache.store_spans(spaces[g], spans, fill, records_of, job.scope.tenant) if spans else 0
+        else:
+            stored, written = self._store_from_ring(staged)
         if not stored and not self.cache.key_store.reachable:  # the server went away: the client dropped it
             worker.stats.dropped_saves += 1
             return
@@ -207,6 +231,23 @@ class Saver:
             for g, size in enumerate(written):
                 worker.stats.save_bytes_by_group[g] = worker.stats.save_bytes_by_group.get(g, 0) + size
         worker.stats.save_s += time.perf_counter() - started
+
+    def _store_from_ring(self, staged: _Staged) -> tuple[int, list[int]]:
+        """Reserve, copy from the ring, seal and commit, group by group: the chunks stored, and
+        the bytes copied by group (none for a chunk cached already)."""
+        job, stored, written = staged.job, 0, [0] * len(staged.spans)
+        spaces = self.worker.namespaces.get(self.worker.tp_rank, job.scope)
+        for g, spans in enumerate(staged.spans):
+
+            def fill(span: ChunkSpan, dest: memoryview, g: int = g) -> None:
+                offset, size = staged.offsets[(g, span.key)]
+                # numpy lets go of the GIL for the copy (a memoryview assignment would hold it)
+                np.copyto(np.frombuffer(dest, np.uint8, size), self.ring.buffer[offset : offset + size])
+                written[g] += size
+
+            if spans:
+                stored += self.cache.store_spans(spaces[g], spans, fill, _records(job, g, spans), job.scope.tenant)
+        return stored, written
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -220,3 +261,9 @@ class Saver:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
+
+
+def _records(job: SaveJob, g: int, spans: list[ChunkSpan]) -> list[bytes]:
+    """The engine's block record of each of group ``g``'s objects ``spans`` (empty where none)."""
+    records = job.records[g] if job.records else {}
+    return [records.get((s.start, s.end), b"") for s in spans]

@@ -7,7 +7,8 @@ Each engine step:
                          hashing here; none that vLLM holds already; then whole pages copied into
                          vLLM's blocks), asynchronous ones queued for the loader thread
     wait_for_save        (after the forward pass) the pages of the chunks the step completed are
-                         copied into a staging ring and a saver thread stores them (saver.py)
+                         copied into slots of the server's shared memory or a staging ring, and
+                         a saver thread commits or stores them (saver.py)
     get_transfer_results asynchronous loads finished (and failed), finished requests whose
                          history is copied out; ``get_block_ids_with_load_errors`` blocks not loaded
     build_connector_worker_meta   which save jobs ended, for the scheduler side
@@ -54,6 +55,7 @@ class WorkerStats:
     retrieve_s: float = 0.0
     pinned_retrieves: int = 0  # retrieves that used the lookup's pin: no call of their own
     stage_s: float = 0.0  # on the engine's path: copying pages out of vLLM's blocks
+    staged_to_slots: int = 0  # saves whose pages went straight into lent slots of the server's shared memory
     saves: int = 0
     saved_chunks: int = 0
     save_bytes: int = 0
