@@ -329,7 +329,7 @@ def measure(args) -> dict:
     prefill_chunk = WINDOW_PREFILL_CHUNK if windowed else None
     cap_blocks, working_set, request_need = _vllm_cache_blocks(family.name, n, length, max_len, prefill_chunk or max_len)
     capped = {"num_gpu_blocks_override": cap_blocks, "kv_cache_memory_bytes": cap_blocks * block * bytes_per_token,
-              "dtype": family.dtype, **({"max_num_batched_tokens": prefill_chunk} if prefill_chunk else {})}
+              **family.llm_kwargs, **({"max_num_batched_tokens": prefill_chunk} if prefill_chunk else {})}
     vllm_cache = (f"vLLM's cache capped at {cap_blocks} blocks of {block} tokens (num_gpu_blocks_override) for all its"
                   f" groups {VLLM_GROUPS[family.name]}: the {n} contexts' hits need {working_set} (every group's: full"
                   f" attention all blocks, a window its blocks, a state one), one request {request_need}"

@@ -24,7 +24,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,13 @@ class Family:
     dtype: str = "float32"
     #: What the family is for when vLLM's CPU build cannot serve it as a test engine.
     note: str = ""
+    #: vLLM engine arguments the family needs beyond its dtype.
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def llm_kwargs(self) -> dict[str, Any]:
+        """What to start a vLLM engine on this family's tiny model with."""
+        return {"dtype": self.dtype, **self.engine_args}
 
     @property
     def folder(self) -> str:
@@ -114,7 +121,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
         "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64,
         "first_k_dense_replace": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 128,
-    }),
+    }, engine_args={"attention_config": {"backend": "CPU_MLA"}}),  # vLLM picks AMX_MLA where the CPU has
+    # AMX tiles, and that backend takes only bfloat16 (or quantised) weights: the float32 model runs on
+    # the reference backend, which vLLM picks anyway elsewhere
     # Sliding (window 128) and full layers with a 4-expert, top-2 MoE.
     Family("gpt_oss", "GptOssConfig", "GptOssForCausalLM", {
         **_ATTENTION, "intermediate_size": 256, "num_local_experts": 4, "num_experts_per_tok": 2,

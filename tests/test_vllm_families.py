@@ -113,7 +113,7 @@ class Run:
         self.bf16 = self.family.dtype == "bfloat16"
         self.path = build_tiny_model(family=name)
         self.server = server
-        kwargs = {"dtype": self.family.dtype}
+        kwargs = self.family.llm_kwargs
         env = engine_env()
         # the GDN engine under test keeps vLLM's prefix caching on (align mode), reset before each request
         self.alone = EngineProcess(self.path, workdir, enable_prefix_caching=self.bf16, max_model_len=MAX_LEN,
