@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -21,10 +22,38 @@ from pathlib import Path
 MODEL_NAME = "tiny-llama"
 
 
+#: Ports ``free_port`` picks from: the 12 000 below the kernel's ephemeral range.
+_PORT_SPAN = 12_000
+_ports_given: set[int] = set()
+_port_picks = random.Random(os.urandom(16))  # not the global generator a test may seed
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port nothing listens on now, never given before in this process, and below
+    the kernel's ephemeral range: a server that starts several listeners (SeaweedFS: four HTTP
+    and four gRPC ports) opens connections between them meanwhile, and each takes an ephemeral
+    port, which could be one picked for a listener not bound yet."""
+    start = _ephemeral_start()
+    low = max(1024, start - _PORT_SPAN)
+    for _ in range(1000):
+        port = _port_picks.randrange(low, max(start, low + 1))
+        if port in _ports_given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {low}-{start}")
 
 
 class Service:
