@@ -216,6 +216,11 @@ def test_staging_ring_hands_out_regions_in_order_and_never_overlapping():
     ring.free_oldest()
     ring.free_oldest()
     assert ring.allocate(100) == 0
+    ring.free_oldest()
+    # a region whose copy failed goes back at once; the one before it stays
+    assert [ring.allocate(60), ring.allocate(30)] == [0, 60]
+    ring.free_newest()
+    assert ring.allocate(40) == 60
 
 
 # -- engines ---------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ reached.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -81,6 +82,11 @@ class StagingRing:
         with self._lock:
             self._regions.popleft()
 
+    def free_newest(self) -> None:
+        """Give back the region just taken (its copy failed)."""
+        with self._lock:
+            self._regions.pop()
+
     def view(self, offset: int, size: int) -> memoryview:
         return memoryview(self.buffer[offset : offset + size])
 
@@ -117,33 +123,31 @@ class Saver:
         staged = [self._blocks(g, spans, job.block_ids[g]) for g, spans in enumerate(job.spans[worker.tp_rank])]
         if not any(staged):
             return self._finished(job)
+        objects = [(g, span, ids, len(ids) * worker.pages[g].page_bytes)
+                   for g, group in enumerate(staged) for span, ids in group]
         slots = self._lend(job, staged)
-        offsets = {}
-        if slots is not None:
-            objects = [(g, span, ids) for g, group in enumerate(staged) for span, ids in group]
-            try:
-                for (g, span, ids), (_, _, slot) in zip(objects, slots):
-                    size = len(ids) * worker.pages[g].page_bytes
-                    worker.pages[g].gather(ids, slot.view[HEADER_SIZE : HEADER_SIZE + size])
-                    offsets[(g, span.key)] = (-1, size)
-            except BaseException:
-                self.cache.key_store.abort([slot for _, _, slot in slots])
-                raise
+        if slots is not None:  # (ring offset, destination) of each object
+            dests = [(-1, slot.view[HEADER_SIZE : HEADER_SIZE + size]) for (_, _, slot), (*_, size) in zip(slots, objects)]
         else:
-            total = sum(len(ids) * worker.pages[g].page_bytes for g, objects in enumerate(staged) for _, ids in objects)
-            base = self.ring.allocate(total)
+            base = self.ring.allocate(sum(size for *_, size in objects))
             if base is None:
                 return self._drop(job)
-            offset = base
-            for g, objects in enumerate(staged):
-                for span, ids in objects:
-                    size = len(ids) * worker.pages[g].page_bytes
-                    worker.pages[g].gather(ids, self.ring.view(offset, size))
-                    offsets[(g, span.key)] = (offset, size)
-                    offset += size
+            starts = itertools.accumulate((size for *_, size in objects), initial=base)
+            dests = [(start, self.ring.view(start, size)) for start, (*_, size) in zip(starts, objects)]
+        offsets = {}
+        try:
+            for (g, span, ids, size), (start, dest) in zip(objects, dests):
+                worker.pages[g].gather(ids, dest)
+                offsets[(g, span.key)] = (start, size)
+        except BaseException:
+            if slots is not None:
+                self.cache.key_store.abort([slot for _, _, slot in slots])
+            else:
+                self.ring.free_newest()  # never queued: the saver thread will not free it
+            raise
         fences = [f for f in (group_pages.fence() for group_pages in worker.pages) if f is not None]
         with self._cond:
-            self._queue.append(_Staged(job, [[span for span, _ in objects] for objects in staged], offsets, fences, slots))
+            self._queue.append(_Staged(job, [[span for span, _ in group] for group in staged], offsets, fences, slots))
             self._cond.notify_all()
         worker.stats.stage_s += time.perf_counter() - started
         worker.stats.staged_to_slots += slots is not None
