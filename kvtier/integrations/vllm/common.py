@@ -381,18 +381,25 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     """Save jobs that ended (stored, skipped or failed) on this worker since its last report;
     the scheduler counts a job done when every worker has reported it. And the figures of
     load_costs.py: the step timed (with the seconds its loads took on the engine's path there)
-    and each load's retrieves by tier."""
+    and each load's retrieves by tier. And ``unstored``: requests whose KV is not cached from a
+    token on although the scheduler took it as stored or being saved (a load came back short,
+    a save was not stored for it): saves of the request start there again."""
 
     finished_saves: dict[int, int] = field(default_factory=dict)  # job id -> workers that finished it
     timed_step: int = 0
     step_load_s: float = 0.0
     load_samples: list[LoadSample] = field(default_factory=list)
+    unstored: dict[ReqId, int] = field(default_factory=dict)  # request -> first token not cached
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvtierWorkerMetadata)
         merged = dict(self.finished_saves)
         for job_id, count in other.finished_saves.items():
             merged[job_id] = merged.get(job_id, 0) + count
+        unstored = dict(self.unstored)
+        for req_id, start in other.unstored.items():
+            unstored[req_id] = min(start, unstored.get(req_id, start))
         # TP ranks run a step together: the slowest one's loads, each rank's samples
         return KvtierWorkerMetadata(merged, max(self.timed_step, other.timed_step),
-                                    max(self.step_load_s, other.step_load_s), self.load_samples + other.load_samples)
+                                    max(self.step_load_s, other.step_load_s), self.load_samples + other.load_samples,
+                                    unstored)

@@ -74,6 +74,7 @@ class Loader:
         self._results = threading.Condition()
         self._in_flight = 0  # asynchronous jobs queued or running
         self._invalid_blocks: set[int] = set()
+        self._short: dict[str, int] = {}  # request -> where its tokens restored end: loads that came back short
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         # for the scheduler's load-or-recompute estimates (load_costs.py): each job's retrieves
@@ -133,6 +134,22 @@ class Loader:
             results = self._finished, self._failed, self._invalid_blocks
             self._finished, self._failed, self._invalid_blocks = set(), set(), set()
             return results
+
+    def first_not_loaded(self, block_ids: list[int]) -> int | None:
+        """Position in ``block_ids`` of the first block a load reported since the last
+        ``take_results`` did not fill (the step's synchronous loads are all reported by
+        ``finish_step``), or None."""
+        with self._results:
+            if not self._invalid_blocks:
+                return None
+            return next((i for i, block in enumerate(block_ids) if block in self._invalid_blocks), None)
+
+    def take_short(self) -> dict[str, int]:
+        """Requests whose load came back short since the last call, and where the tokens
+        restored end: the cache may not hold what lies past it."""
+        with self._results:
+            short, self._short = self._short, {}
+            return short
 
     def take_costs(self) -> tuple[float, list[LoadSample]]:
         """(seconds the last step's synchronous loads took on the engine's path, the retrieves
@@ -243,6 +260,7 @@ class Loader:
             if done < job.end:
                 stats.failed_loads += 1
                 stats.failed_load_tokens += job.end - done
+                self._short[job.req_id] = min(done, self._short.get(job.req_id, done))
                 if several:
                     self._failed.add(job.req_id)
                 else:

@@ -94,6 +94,8 @@ FIGURES = (
     Figure("dropped_saves", "dropped_saves",
            "Saves dropped: the staging buffer was full or the cache could not be reached"),
     Figure("failed_saves", "failed_saves", "Saves that failed with an error"),
+    Figure("unloaded_saves", "unloaded_saves", "Save jobs not stored: their step computed them over blocks a load"
+           " did not fill (vLLM computed them again, and they were saved then)"),
     Figure("unsaved_objects", "unsaved_objects",
            "Objects a save left out because vLLM no longer kept a block they need (windows, states)"),
 )

@@ -173,6 +173,10 @@ class Saver:
             objects.append((span, ids))
         return objects
 
+    def skip(self, job: SaveJob) -> None:
+        """A job not to store (its KV is wrong: worker.py): reported finished."""
+        self._finished(job)
+
     def _drop(self, job: SaveJob) -> None:
         self.worker.stats.dropped_saves += 1
         self._finished(job)

@@ -569,6 +569,10 @@ class KvtierScheduler:
             self._job_reports[job_id] += count
             if self._job_reports[job_id] >= self.engine.tp_size:
                 self._forget_job(job_id)
+        for req_id, start in worker_meta.unstored.items():  # saved again once vLLM has recomputed it
+            tracked = self._requests.get(req_id)
+            if tracked is not None:
+                tracked.saved_upto = min(tracked.saved_upto, start)
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """Plan the save of the request's history, if any (True: vLLM must keep its blocks until

@@ -8,7 +8,8 @@ Each engine step:
                          vLLM's blocks), asynchronous ones queued for the loader thread
     wait_for_save        (after the forward pass) the pages of the chunks the step completed are
                          copied into slots of the server's shared memory or a staging ring, and
-                         a saver thread commits or stores them (saver.py)
+                         a saver thread commits or stores them (saver.py); never a job whose
+                         blocks a load of the step did not fill (below)
     get_transfer_results asynchronous loads finished (and failed), finished requests whose
                          history is copied out; ``get_block_ids_with_load_errors`` blocks not loaded
     build_connector_worker_meta   which save jobs ended, for the scheduler side
@@ -16,6 +17,12 @@ Each engine step:
 Loads copy whole pages; the last page of a load may hold slots the forward pass then writes (the
 prompt's last token, at least), which it does after the load. Saves never make the engine wait
 on storage; vLLM's blocks are not read after the step that computed them.
+
+A load that comes back short leaves blocks the forward pass reads all the same: what the step
+computes past them is wrong, and vLLM computes it again. A save job of the step whose blocks
+include one of them is therefore not stored, and the worker metadata tells the scheduler where
+each such request's KV stops being cached (``unstored``), so that it saves it again once vLLM
+has recomputed it.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ class WorkerStats:
     dropped_saves: int = 0
     unsaved_objects: int = 0  # objects a save left out: vLLM no longer kept a block they need
     failed_saves: int = 0
+    unloaded_saves: int = 0  # save jobs not stored: a block they need did not load in their step
     save_s: float = 0.0  # in the saver thread
 
 
@@ -79,6 +87,7 @@ class KvtierWorker:
         self.pages: list[PagedKV] | None = None  # per group
         self.loader: Loader | None = None
         self._released: set[str] = set()
+        self._unstored: dict[str, int] = {}  # request -> token from which its KV is not cached (metadata)
         # for the scheduler's load-or-recompute estimates (load_costs.py): the step timed
         self._timed_step = 0
         self._saver: Saver | None = None
@@ -135,7 +144,15 @@ class KvtierWorker:
         if self.loader is not None:
             self.loader.finish_step()  # layer-by-layer copies of the step: before saves read blocks
         for job in metadata.saves:
-            if self._saver is not None:
+            unloaded = self.loader.first_not_loaded(job.block_ids[0]) if self.loader is not None else None
+            if unloaded is not None:  # computed over a block that holds no KV: vLLM computes it again
+                self.stats.unloaded_saves += 1
+                spans = job.spans[self.tp_rank]
+                first = min([unloaded * self.block_size, *(s[0].start for s in spans if s)])
+                self._unstored[job.req_id] = min(first, self._unstored.get(job.req_id, first))
+                if self._saver is not None:
+                    self._saver.skip(job)
+            elif self._saver is not None:
                 self._saver.stage(job)  # the pages are copied out now, stored or dropped
             if job.release:
                 self._released.add(job.req_id)
@@ -148,9 +165,12 @@ class KvtierWorker:
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
         jobs = self._saver.take_finished_jobs() if self._saver is not None else []
         step_load_s, samples = self.loader.take_costs() if self.loader is not None else (0.0, [])
-        meta = KvtierWorkerMetadata({job_id: 1 for job_id in jobs}, self._timed_step, step_load_s, samples)
+        unstored, self._unstored = self._unstored, {}
+        for req_id, done in (self.loader.take_short() if self.loader is not None else {}).items():
+            unstored[req_id] = min(done, unstored.get(req_id, done))
+        meta = KvtierWorkerMetadata({job_id: 1 for job_id in jobs}, self._timed_step, step_load_s, samples, unstored)
         self._timed_step = 0
-        return meta if jobs or meta.timed_step or meta.load_samples else None
+        return meta if jobs or meta.timed_step or meta.load_samples or unstored else None
 
     def figures(self) -> dict:
         return totals(vars(self.stats))
