@@ -42,7 +42,7 @@ def engine_layout() -> EngineLayout:
 
 
 @dataclass
-class _Request:
+class Request:
     """The fields of vLLM's ``Request`` the connector reads."""
 
     request_id: str
@@ -78,14 +78,14 @@ class Steps:
         self.worker = KvtierWorker(config, self.engine, 0, num_blocks)
         self.worker.register_kv_caches({f"layer{i}": self.kv[i] for i in range(LAYERS)})
         self.store = self.scheduler.cache.key_store
-        self.running: dict[str, _Request] = {}
+        self.running: dict[str, Request] = {}
         self._new: set[str] = set()
         self._next_block = 1  # block 0 is vLLM's null block
         self.not_loaded: list[set[int]] = []  # blocks reported not loaded, per step
 
     def admit(self, req_id: str, tokens: list[int]) -> int:
         """Look the prompt up and admit it: the tokens kvtier loads in its first step."""
-        request = _Request(req_id, list(tokens))
+        request = Request(req_id, list(tokens))
         external, asynchronous = self.scheduler.get_num_new_matched_tokens(request, 0)
         assert external is not None and not asynchronous, (external, asynchronous)
         count = pages(len(tokens), BLOCK)
@@ -131,7 +131,7 @@ class Steps:
             self.step()
         assert self.worker._saver.wait_idle(10)
 
-    def _forward(self, request: _Request, count: int) -> None:
+    def _forward(self, request: Request, count: int) -> None:
         blocks, start = self.blocks[request.request_id], request.num_computed_tokens
         context = max([1.0, *(float(self.kv[0, blocks[p // BLOCK], 0, p % BLOCK, 0]) for p in range(start))])
         for p in range(start, start + count):

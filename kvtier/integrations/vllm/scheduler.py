@@ -222,7 +222,8 @@ class KvtierScheduler:
         known = self._lookups.get(request.request_id)
         if known is not None and known.num_computed == num_computed_tokens:
             return known.load, known.asynchronous  # asked again (the request was not admitted last step)
-        if known is not None:
+        if known is not None:  # vLLM's own hit changed: that lookup is void, and never answered again
+            del self._lookups[request.request_id]
             self._unpin(known.pins)
         prompt = request.prompt_token_ids
         expected = _prefilled_tokens(request)
