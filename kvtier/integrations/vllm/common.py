@@ -49,7 +49,8 @@ if TYPE_CHECKING:
 ReqId = str
 
 
-#: The ``kv_transfer_params`` key by which a proxy names a request's tenant (its quota: docs/policies.md).
+#: The ``kv_transfer_params`` key by which a proxy names a request's tenant (its quota: docs/policies.md);
+#: taken only with ``kvtier.trust_request_tenant``, since any client can set it.
 TENANT_PARAM = "kvtier_tenant"
 
 
@@ -63,24 +64,31 @@ class RequestScope(NamedTuple):
     tenant: str = ""
 
 
-def request_tenant(request: "Request") -> str:
-    """The name a proxy passes as ``kv_transfer_params[TENANT_PARAM]`` (where it is a valid
-    tenant name), else a label of the request's cache salt (``salt_label``: the salt itself is a
-    secret and is never shown), else the default tenant (empty)."""
-    name = (request.kv_transfer_params or {}).get(TENANT_PARAM)
+def names_tenant(request: "Request") -> bool:
+    """Whether the request's ``kv_transfer_params`` name a tenant."""
+    return TENANT_PARAM in (request.kv_transfer_params or {})
+
+
+def request_tenant(request: "Request", trusted: bool) -> str:
+    """The name a proxy passes as ``kv_transfer_params[TENANT_PARAM]`` where the connector
+    ``trusted`` it (``kvtier.trust_request_tenant``) and it is a valid tenant name, else a label
+    of the request's cache salt (``salt_label``: the salt itself is a secret and is never
+    shown), else the default tenant (empty)."""
+    name = (request.kv_transfer_params or {}).get(TENANT_PARAM) if trusted else None
     if isinstance(name, str) and name and valid_tenant(name):
         return name
     return salt_label(request.cache_salt) if request.cache_salt else ""
 
 
-def request_scope(request: "Request") -> RequestScope | None:
-    """The request's scope, or None when its KV must not be cached by token ids alone
-    (multimodal inputs, prompt embeddings: the tokens do not say what the KV was made from)."""
+def request_scope(request: "Request", trusted_tenant: bool) -> RequestScope | None:
+    """The request's scope (``trusted_tenant``: see ``request_tenant``), or None when its KV
+    must not be cached by token ids alone (multimodal inputs, prompt embeddings: the tokens do
+    not say what the KV was made from)."""
     if request.mm_features or request.prompt_embeds is not None or request.prompt_token_ids is None:
         return None
     lora = request.lora_request
     lora_name = f"{lora.lora_name}@{lora.lora_path}" if lora is not None else ""
-    return RequestScope(lora_name, request.cache_salt or "", request_tenant(request))
+    return RequestScope(lora_name, request.cache_salt or "", request_tenant(request, trusted_tenant))
 
 
 def _dtype_name(dtype) -> str:

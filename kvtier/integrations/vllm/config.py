@@ -81,6 +81,11 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Copy a synchronous load into vLLM's blocks layer by layer on a copy thread, each layer
     waited for just before its attention runs (``wait_for_layer_load``), so that later layers'
     copies overlap earlier layers' compute. Off by default: on CPU it does not pay (docs/vllm.md)."""
+    trust_request_tenant: bool = False
+    """Take a request's tenant (whose quota its stores count against: docs/policies.md) from its
+    ``kv_transfer_params["kvtier_tenant"]``, which anyone who can send vLLM a request can set: only
+    behind a proxy that sets it for every request. Off: a tenant a request names is ignored
+    (counted, logged once) and its tenant is a label of its ``cache_salt``."""
     save_buffer_gb: Annotated[float, msgspec.Meta(gt=0, le=1024)] = 0.5
     """Staging memory per worker for KV on its way to the cache (preallocated); a save that does
     not fit is dropped (counted), never waited for."""

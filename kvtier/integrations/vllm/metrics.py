@@ -62,6 +62,8 @@ FIGURES = (
            " slower (load_or_recompute), by the tier that held them", label=TIER_LABEL),
     Figure("load_probes", "load_probes", "Reads of one chunk of a tier skipped for being slow, beside the engine, to measure it again (load_probe_s)"),
     Figure("lookups", "lookups", "Prompt lookups kvtier answered"),
+    Figure("ignored_request_tenants", "ignored_tenants", "Requests that named their tenant in kv_transfer_params,"
+           " ignored (kvtier.trust_request_tenant off): their cache_salt's label is their tenant"),
     Figure("skipped_lookups", "lookups_skipped",
            "Prompts not looked up: vLLM's own cache held all of them, or all but a few tokens"),
     Figure("lookup_seconds", "lookup_s", "Time the scheduler spent on kvtier lookups"),

@@ -65,6 +65,7 @@ from kvtier.integrations.vllm.common import (
     ReqId,
     RequestScope,
     SaveJob,
+    names_tenant,
     pages,
     request_scope,
 )
@@ -146,6 +147,7 @@ class SchedulerStats:
     recomputed_by_tier: Counter = field(default_factory=Counter)
     recomputed_chunks_by_tier: Counter = field(default_factory=Counter)
     load_probes: int = 0  # probe jobs: reads of a skipped tier, beside the engine, to measure it again
+    ignored_tenants: int = 0  # requests that named their tenant, not trusted (trust_request_tenant off)
 
     def as_dict(self) -> dict:
         return {name: dict(value) if isinstance(value, Counter) else value for name, value in vars(self).items()}
@@ -183,6 +185,7 @@ class KvtierScheduler:
         # how long an unconfirmed save may hold back lookups of its prefix
         self._in_flight_s = 2 * config.timeout_s + 1.0
         self._chunk_warned = False
+        self._tenant_warned = False
         self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
         self._next_step = 0
         self._timed_steps: dict[int, tuple[float, int, int]] = {}  # step -> (built at, tokens, position sum)
@@ -216,7 +219,7 @@ class KvtierScheduler:
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.load:
             return 0, False
-        scope = request_scope(request)
+        scope = request_scope(request, self.config.trust_request_tenant)
         if scope is None:
             return 0, False
         known = self._lookups.get(request.request_id)
@@ -430,7 +433,7 @@ class KvtierScheduler:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self._running.add(request.request_id)
-        scope = request_scope(request)
+        scope = request_scope(request, self.config.trust_request_tenant)
         if scope is None:
             return
         known = self._lookups.pop(request.request_id, None)
@@ -440,6 +443,7 @@ class KvtierScheduler:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             tracked = self._requests[request.request_id] = _Tracked(scope, prompt, stored, request)
+            self._check_tenant(request)
         else:  # resumed after a preemption
             tracked.saved_upto = max(tracked.saved_upto, stored)
         if known is not None and num_external_tokens <= 0:
@@ -465,6 +469,17 @@ class KvtierScheduler:
                                    known.pins))
         self.stats.load_tokens += num_external_tokens
         self.stats.hits_by_tier.update(tokens_by_tier(known.tiers, self.chunk_size() or self.block_size, start, end))
+
+    def _check_tenant(self, request: "Request") -> None:
+        """Count (and log once) a request that names its tenant where that is not trusted: any
+        client could spend another tenant's quota so."""
+        if self.config.trust_request_tenant or not names_tenant(request):
+            return
+        self.stats.ignored_tenants += 1
+        if not self._tenant_warned:
+            log.warning("kvtier: request %s names a tenant in kv_transfer_params; ignored (its cache_salt's label is"
+                        " its tenant): set kvtier.trust_request_tenant where a proxy sets it", request.request_id)
+            self._tenant_warned = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierConnectorMetadata:
         meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history, timed_step=self._time_step(scheduler_output),
