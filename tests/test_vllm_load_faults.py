@@ -150,19 +150,15 @@ PROMPTS = {**{f"sync{i}": SYNC_DOC + Q[i] for i in range(12)}, **{f"async{i}": A
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-load-faults")
-
-
-@pytest.fixture(scope="module")
-def open_server(workdir):
-    with in_process_server(workdir / "l2", VLLM_CHUNK, l1_gb=1.0) as server:
+def open_server(tmp_path_factory):
+    """A kvtier server in the test's process, with a disk tier: a test deletes a file of it."""
+    with in_process_server(tmp_path_factory.mktemp("load-faults-l2"), VLLM_CHUNK, l1_gb=1.0) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model_path, workdir, open_server):
-    env = engine_env()
+def engines(tiny_model_path, tmp_path_factory, open_server):
+    env, workdir = engine_env(), tmp_path_factory.mktemp("load-faults")
     extra = {"kvtier.url": f"tcp://127.0.0.1:{open_server.config.port}", "kvtier.timeout_s": 0.5,
              "kvtier.async_load_min_tokens": ASYNC_FROM, "kvtier.load_or_recompute": False}
     started = {
