@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+import contextlib
 from contextlib import contextmanager
 
 import msgspec
@@ -23,7 +24,7 @@ from kvtier.server.main import KvtierServer
 from kvtier.server.service import AHEAD_SHARE_OF_L1
 from kvtier.wire import protocol as p
 from kvtier_testing.data_port_junk import dealer, pong_through, send_raw, zmtp1_without_envelope
-from kvtier_testing.kvtier_processes import free_port
+from kvtier_testing.kvtier_processes import ServerProcess, free_port
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 
@@ -175,7 +176,9 @@ def test_specific_bad_requests_are_named(raw_socket):
     assert stale.code == "stale-arena"
     for bad, why in [
         (p.Lookup(keys=[key], ends=[16, 32]), "differ in length"),
-        (p.Lookup(keys=[key, key], ends=[32, 16]), "must not decrease"),
+        (p.Lookup(keys=[key, bytes(31) + b"x"], ends=[32, 16]), "must increase"),
+        (p.Lookup(keys=[key, bytes(31) + b"x"], ends=[16, 16]), "must increase"),
+        (p.Lookup(keys=[key, key], ends=[16, 32]), "repeats an earlier one"),
         (p.Lookup(keys=[key], partials=[key], partial_at=[2]), "past the 1 keys"),
         (p.Lookup(keys=[key], partials=[key]), "differ in length"),
         (p.Lookup(keys=[key], partials=[key], partial_at=[-1], partial_ends=[16]), "Expected `int` >= 0"),
@@ -183,6 +186,29 @@ def test_specific_bad_requests_are_named(raw_socket):
     ]:
         reply = ask(raw_socket, [p.encode(bad)])
         assert isinstance(reply, p.Error) and reply.code == "bad-request" and why in reply.message, (bad, reply)
+
+
+def test_a_lookup_naming_a_key_twice_never_wedges_the_evictions_that_follow(tmp_path):
+    """``Lookup(keys=[A, A])`` would teach the lineage that A follows itself; a store under A then
+    sent the next eviction's walk up A's prefix round forever, holding L1's lock. The lookup is
+    refused, and a real server keeps storing (and evicting) within every call's timeout."""
+    server = ServerProcess(tmp_path, l1_gb=0.01).start()
+    try:
+        client = KvtierClient(server.url, timeout_s=5)
+        cache = TokenCache(client)
+        first = tokens(0, 16)
+        [span] = cache.spans(NS, first)
+        with contextlib.suppress(Unavailable):  # refused (or, were it taken, harmless)
+            client._call(p.Lookup(keys=[span.key, span.key], ends=[16, 32]))
+        assert cache.store(NS, first, fill_for(first)) == 1
+        stored = 0
+        for i in range(6):  # 3,000 objects of 4 KiB and a header: past the 10 MiB L1, so evictions run
+            toks = tokens(10_000 * (i + 1), 16 * 500)
+            stored += cache.store(NS, toks, fill_for(toks))
+        assert client.stats.timeouts == 0 and stored == 3000
+        client.close()
+    finally:
+        server.kill()
 
 
 def test_lease_of_a_client_that_died_expires():

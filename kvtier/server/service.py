@@ -217,8 +217,10 @@ class CacheService:
         partial_ends = request.partial_ends or [0] * len(request.partials)
         if len(ends) != len(keys) or not len(request.partials) == len(request.partial_at) == len(partial_ends):
             raise BadRequest("lookup: keys and ends, or partials, partial_at and partial_ends, differ in length")
-        if any(b < a for a, b in zip([0, *ends], ends)):
-            raise BadRequest("lookup: chunk ends must not decrease")
+        if request.ends and any(b <= a for a, b in zip([0, *ends], ends)):
+            raise BadRequest("lookup: chunk ends must increase (a chunk holds a token or more)")
+        if len(set(keys)) != len(keys):  # a key digests its whole prefix: a prompt never repeats one
+            raise BadRequest("lookup: a key repeats an earlier one")
         spans = [ChunkSpan(key, start, end) for key, start, end in zip(keys, [0, *ends], ends)]
         groups: list[list[int]] = [[] for _ in range(len(keys) + 1)]
         for j, at in enumerate(request.partial_at):
