@@ -13,6 +13,9 @@ commit), so a store is fill + ``Commit``; a release is sent with the next reques
 ``RELEASE_DELAY_S`` when none comes), so a load is one ``Retrieve``. A server other hosts can reach requires CurveZMQ
 (wire/curve.py): give the client its key pair and the server's public key. A client without the
 right key is refused in the handshake, which looks like a server that never answers: misses.
+A server without CurveZMQ admits the processes that can read its token file (its user's: the
+ones that may map the arena); the client reads it at hello. Handles belong to the session the
+hello opened, which a reconnect keeps (so the pool and the releases still to send survive it).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from kvtier.keystore import Lease, Located, Pin, Reservation
 from kvtier.objects import ensure_sealed
 from kvtier.wire import protocol as p
 from kvtier.wire.curve import ClientKeys
-from kvtier.wire.shm import ARENA_OFFSET, SharedArena
+from kvtier.wire.shm import ARENA_OFFSET, SharedArena, read_token
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,10 @@ class Unavailable(Exception):
 
 class StaleArena(Unavailable):
     """The server restarted since our hello: its arena is not the one we map."""
+
+
+class StaleSession(StaleArena):
+    """The server does not know our session (it restarted, or we were idle too long): hello again."""
 
 
 @dataclass
@@ -139,6 +146,7 @@ class KvtierClient:
         self.chunk_size: int | None = None  # learned from the server's hello
         self._arena: SharedArena | None = None
         self._arena_id = b""
+        self._session = b""  # the server's session of this client (HelloReply.session)
         # the process's one context, never a context of its own: a client dropped without close()
         # would leave its context and socket in one garbage cycle, and pyzmq's finaliser of the
         # context then waits forever for the socket (the collection hangs whichever thread runs it)
@@ -155,6 +163,8 @@ class KvtierClient:
         self._pool_target = 0  # the most objects one store held
         self._lent: dict[int, _Ahead] = {}  # slots of the pool in reservations not committed yet
         self._done: list[int] = []  # handles to give back with the next request
+        self._done_for: dict[bytes, list[int]] = {}  # handles of other sessions (their pins) to give back
+        self._owners: dict[int, bytes] = {}  # lease -> session, for leases of another session's pin
         self._done_changed = threading.Condition(self._lock)
         self._flusher: threading.Thread | None = None
         self._closed = False
@@ -171,26 +181,45 @@ class KvtierClient:
             self.curve.apply(sock)
         sock.connect(self.url)
         self._socket = sock
-        hello = self._roundtrip(p.Hello(client=f"pid-{threading.get_native_id()}"), (), deadline)[0]
+        hello = self._hello(deadline)
         self.chunk_size = hello.chunk_size
         self._lease_timeout_s = hello.lease_timeout_s
-        self._forget_handles()
-        if self._arena is not None:
+        if hello.session != self._session:  # a new session: the handles held were the old one's
+            self._forget_handles()
+            self._session = hello.session
+        arena_id = hello.shm_nonce[: p.ARENA_ID_SIZE] if hello.shm_path else b""
+        if self._arena is not None and arena_id != self._arena_id:
             self._arena.close()
-        self._arena = None
-        self._arena_id = b""
-        if self.use_shared_memory and hello.shm_path:
+            self._arena = None
+            self._arena_id = b""
+        if self._arena is None and self.use_shared_memory and hello.shm_path:
             self._arena = SharedArena.attach(hello.shm_path, hello.shm_size, hello.shm_nonce)
             if self._arena is not None:
-                self._arena_id = hello.shm_nonce[: p.ARENA_ID_SIZE]
+                self._arena_id = arena_id
         log.info("connected to %s (shared memory %s)", self.url, "on" if self._arena else "off")
 
+    def _hello(self, deadline: float) -> p.HelloReply:
+        """Hello, naming our session; where the server does not admit us without its token, a
+        second hello with the token file's bytes."""
+        client = f"pid-{threading.get_native_id()}"
+        hello = self._roundtrip(p.Hello(client=client, session=self._session), (), deadline)[0]
+        if not hello.session:
+            token = read_token(hello.token_path)
+            if token is None:
+                self._failed()
+                raise Unavailable(f"{self.url} does not admit this process: it cannot read the server's token file "
+                                  f"{hello.token_path} (a data port without CurveZMQ serves the processes of its "
+                                  "server's user: docs/security.md)")
+            hello = self._roundtrip(p.Hello(client=client, token=token), (), deadline)[0]
+        return hello
+
     def _forget_handles(self) -> None:
-        """A new hello: the handles held name a server we may not be talking to any more (they
-        expire there)."""
+        """A new session: the handles held were another session's (they expire on its server)."""
         self._pool.clear()
         self._lent.clear()
         self._done.clear()
+        self._done_for.clear()
+        self._owners.clear()
 
     def _drop_socket(self) -> None:
         if self._socket is not None:
@@ -214,23 +243,41 @@ class KvtierClient:
             raise TimeoutError from None
         reply = p.decode_reply(head)
         if isinstance(reply, p.Error):
-            error = StaleArena if reply.code == "stale-arena" else Unavailable
+            error = {"stale-arena": StaleArena, "stale-session": StaleSession}.get(reply.code, Unavailable)
             raise error(f"{reply.code}: {reply.message}")
         return reply, [part.buffer for part in parts]
 
-    def _call(self, request, frames: Sequence = (), deadline: float | None = None) -> tuple[object, list]:
+    def _call(self, request, frames: Sequence = (), deadline: float | None = None,
+              session: bytes | None = None) -> tuple[object, list]:
         """One request and its reply within the deadline, or Unavailable. ``request`` may be a
-        function of nothing, called once connected (requests that name the arena)."""
+        function of nothing, called once connected (requests that name the arena). It goes in
+        our session, which a server that forgot it is asked for again (once), or in ``session``."""
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
         with self._lock:
-            with self._failing_open():
-                self._ensure_connected(deadline)
-                request = request() if callable(request) else request
-                if self._done:  # the handles we are done with ride along (lost with a failed call: they expire)
-                    request, self._done = msgspec.structs.replace(request, done=self._done), []
-                reply = self._roundtrip(request, frames, deadline)
-            self._backoff = 0.1
-            return reply
+            for retry in (True, False):
+                done, mine = [], self._session
+                try:
+                    with self._failing_open():
+                        self._ensure_connected(deadline)
+                        mine = self._session
+                        built = request() if callable(request) else request
+                        if session is not None:
+                            built = msgspec.structs.replace(built, session=session)
+                        else:  # the handles we are done with ride along
+                            done, self._done = self._done, []
+                            built = msgspec.structs.replace(built, done=[*built.done, *done], session=mine)
+                        reply = self._roundtrip(built, frames, deadline)
+                except StaleSession:
+                    if retry and session is None:
+                        continue  # hello again (a new session: the old one's handles are gone)
+                    raise
+                except Unavailable:
+                    if done and self._session == mine:
+                        self._done = done + self._done  # not lost with the call: the next one carries them
+                    raise
+                self._backoff = 0.1
+                return reply
+        raise AssertionError("unreachable")
 
     def _ensure_connected(self, deadline: float) -> None:
         if time.monotonic() < self._down_until:
@@ -272,11 +319,12 @@ class KvtierClient:
         with self._lock:
             self._closed = True
             self._done_changed.notify_all()
-            handles = [slot.slot for slot in self._pool] + list(self._lent) + self._done
+            self._done.extend([slot.slot for slot in self._pool] + list(self._lent))
+            self._pool.clear()
+            self._lent.clear()
+            if self._socket is not None:
+                self._send_done(time.monotonic() + min(self.timeout_s, 0.5))
             self._forget_handles()
-            if handles and self._socket is not None:
-                with contextlib.suppress(Unavailable):
-                    self._call(p.Release(done=handles), deadline=time.monotonic() + min(self.timeout_s, 0.5))
         if self._flusher is not None:
             self._flusher.join(timeout=1)
         with self._lock:
@@ -307,14 +355,14 @@ class KvtierClient:
             pin=pin and self._arena is not None, arena=self._arena_id if pin else b"",
         )
         try:
-            with self._lock:  # the arena a pin is in: the one of this call
+            with self._lock:  # the arena a pin is in, and the session holding it: those of this call
                 reply, _ = self._call(request)
-                arena = self._arena_id
+                arena, session = self._arena_id, self._session
         except Unavailable:
             return Located()
         hit = [s.key for s in spans[: len(reply.tiers)]] + ([flat[reply.partial][1].key] if reply.partial >= 0 else [])
         pinned = Pin(reply.lease, arena, {key: (offset, size) for key, offset, size in zip(hit, reply.offsets, reply.sizes)},
-                     time.monotonic()) if reply.lease else None
+                     time.monotonic(), session) if reply.lease else None
         if reply.partial < 0:
             return Located(list(reply.tiers), pin=pinned)
         first = next(j for j, (i, _) in enumerate(flat) if i == len(reply.tiers))
@@ -326,10 +374,12 @@ class KvtierClient:
             fresh = time.monotonic() - pin.leased_at < self._lease_timeout_s / 2
             if self._arena is None or pin.arena != self._arena_id or not fresh or any(k not in pin.objects for k in keys):
                 return None
+            if pin.session != self._session:  # another client's pin: given back in its session
+                self._owners[pin.lease] = pin.session
             return [_arena_lease(self._arena, key, *pin.objects[key], pin.lease) for key in keys]
 
     def unpin(self, pin: Pin) -> None:
-        self._give_back({pin.lease})
+        self._give_back({pin.lease}, pin.session)
 
     def acquire(self, keys: Sequence[bytes], checksum: bool = False) -> list[Lease]:
         """Objects in the server's arena are leased there (one lease for the call); the rest
@@ -359,33 +409,47 @@ class KvtierClient:
         """No round trip: the next request carries the release, or the flusher thread sends it
         after ``RELEASE_DELAY_S``."""
         idents = {lease.lease for lease in leases if lease.pinned and lease.lease}
-        if idents:
-            self._give_back(idents)
+        with self._lock:
+            for ident in idents:
+                self._give_back((ident,), self._owners.pop(ident, self._session))
 
-    def _give_back(self, idents) -> None:
+    def _give_back(self, idents, session: bytes) -> None:
+        """Handles ``session`` is done with: ours ride along with the next request, another
+        session's (a pin of another process) go in that session."""
         with self._lock:
             if self._closed:
                 return
-            self._done.extend(idents)
+            if session == self._session:
+                self._done.extend(idents)
+            else:
+                self._done_for.setdefault(session, []).extend(idents)
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_done, name="kvtier-release", daemon=True)
                 self._flusher.start()
             self._done_changed.notify_all()
 
     def _flush_done(self) -> None:
-        """Send the handles given back when no request has carried them for ``RELEASE_DELAY_S``."""
+        """Send the handles given back when no request has carried them for ``RELEASE_DELAY_S``.
+        While the server is unreachable they wait for the next request that reaches it."""
         with self._lock:
             while not self._closed:
-                if not self._done:
+                if not (self._done or self._done_for) or not self.reachable:
                     self._done_changed.wait()
                     continue
                 waiting = self._done
                 self._done_changed.wait(RELEASE_DELAY_S)
-                if self._done and self._done is waiting and not self._closed:
-                    try:
-                        self._call(p.Release())
-                    except Unavailable:
-                        self._done = []  # the server lets them expire
+                if not self._closed and (self._done_for or (self._done and self._done is waiting)):
+                    self._send_done(time.monotonic() + self.timeout_s)
+
+    def _send_done(self, deadline: float) -> None:
+        """A ``Release`` of the handles given back: ours, then each other session's."""
+        with contextlib.suppress(Unavailable):
+            if self._done:
+                self._call(p.Release(), deadline=deadline)
+        done_for, self._done_for = self._done_for, {}
+        for session, idents in done_for.items():
+            with contextlib.suppress(Unavailable):  # the other session's server lets them expire
+                self._call(p.Release(done=idents), deadline=deadline, session=session)
 
     def reserve(
         self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
@@ -435,7 +499,7 @@ class KvtierClient:
                 reservations.append(None)
                 continue
             view = memory[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size]
-            reservations.append(Reservation(key, view, offset, slot, tenant=tenant))  # sealed by the server if it leaves memory
+            reservations.append(Reservation(key, view, offset, slot, tenant=tenant, arena=self._arena_id))  # sealed by the server if it leaves memory
         return reservations
 
     def lend(
@@ -475,7 +539,8 @@ class KvtierClient:
             ahead = self._pool.popleft()
             self._lent[ahead.slot] = ahead
             view = memory[ARENA_OFFSET + ahead.offset : ARENA_OFFSET + ahead.offset + size]
-            out.append(Reservation(key, view, ahead.offset, ahead.slot, record=records[i] if records else b"", tenant=tenant))
+            out.append(Reservation(key, view, ahead.offset, ahead.slot, record=records[i] if records else b"", tenant=tenant,
+                                   arena=self._arena_id))
         self.stats.reserved_ahead += len(out)
         return out
 
@@ -544,10 +609,9 @@ class KvtierClient:
         with self._lock:
             for r in reservations:
                 self._lent.pop(r.slot, None)
-            arena = self._arena_id
             ahead = self._ahead_wanted([len(r.view) for r in reservations])
             commit = p.Commit(slots=[r.slot for r in reservations], keys=[r.key for r in reservations],
-                              records=records, ahead=ahead, arena=arena, tenant=reservations[0].tenant)
+                              records=records, ahead=ahead, arena=reservations[0].arena, tenant=reservations[0].tenant)
             reply, _ = self._call(commit)
             self._add_ahead(reply, ahead)
         return list(reply.committed)

@@ -108,12 +108,17 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         "the source in the events' topic kv@<source>@<model> (default: the host name)")] = ""
 
     def __post_init__(self) -> None:
-        """Checked before anything binds: a data port others can reach never runs open."""
+        """Checked before anything binds: a data port or an HTTP port others can reach never runs open."""
         if self.uses_curve and (self.curve_secret_key is None or self.curve_clients_dir is None):
             why = "--curve" if is_loopback(self.host) else f"a data port on {self.host} (not loopback)"
             raise ConfigError(
                 f"{why} requires CurveZMQ keys: give --curve-secret-key and --curve-clients-dir "
                 "(kvtier keys generate writes key pairs; docs/security.md)"
+            )
+        if not is_loopback(self.http_host) and not self.admin_token:
+            raise ConfigError(
+                f"an HTTP port on {self.http_host} (not loopback) requires --admin-token (or KVTIER_ADMIN_TOKEN): "
+                "without it anyone who reaches the port may clear the cache (docs/security.md)"
             )
         if self.kv_events_port is None:
             if self.kv_events_replay_port is not None:

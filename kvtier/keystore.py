@@ -34,6 +34,7 @@ class Reservation:
     checksum: bool = False  # seal the object with its checksum: its bytes will cross a socket
     record: bytes = b""  # the block record to send with the object (a client's frames path)
     tenant: str = ""  # whose object it is, to send with it (a client's frames path)
+    arena: bytes = b""  # the id of the server's arena the slot is in (its commit names it)
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,15 @@ class Pin:
     """The objects a lookup leased where they lie (a server's shared arena) for the load that
     follows it, which then needs no call of its own: the store's lease handle, the arena's id,
     and each object's key -> (offset, size). Plain data: it travels in an engine's step metadata
-    to another thread or process of the same host. Good for half the store's lease timeout."""
+    to another thread or process of the same host, which gives the lease back on behalf of the
+    session that holds it (a server refuses a handle named by another session). Good for half the
+    store's lease timeout."""
 
     lease: int
     arena: bytes
     objects: dict[bytes, tuple[int, int]]
     leased_at: float  # time.monotonic() (system-wide on Linux: the same clock in every process)
+    session: bytes = b""  # the server session that holds the lease
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ class ServerMetrics:
         )
         self.client_errors = Counter("kvtier_client_errors", "Requests answered with an error", ["code"], registry=r)
         self.expired = Counter("kvtier_expired", "Leases and reservations that timed out", ["kind"], registry=r)
+        self.foreign_handles = Counter(
+            "kvtier_foreign_handles", "Handles named by a session that does not own them (refused)", registry=r)
         Gauge("kvtier_connected_clients", "Client connections", registry=r).set_function(connected_clients)
         r.register(_StoreCollector(store))
         self._tier_names = [tier.name for tier in store.tiers]

@@ -15,6 +15,7 @@ import msgspec
 import zmq
 
 from kvtier.wire import protocol as p
+from kvtier.wire.shm import read_token
 
 HUGE_FRAME_BYTES = 32 << 20  # far below the server's frame limit, far above any real request
 
@@ -71,3 +72,19 @@ def pong_through(sock: zmq.Socket, timeout_s: float = 5.0) -> bool:
         except msgspec.DecodeError:
             continue
     return False
+
+
+def open_session(sock: zmq.Socket, timeout_s: float = 5.0) -> bytes:
+    """A session for a raw REQ or DEALER socket, got as a client's hello gets one (with the bytes
+    of the server's token file, which this process may read): raw requests name it."""
+
+    def hello(**fields) -> p.HelloReply:
+        envelope = [b""] if sock.type == zmq.DEALER else []
+        sock.send_multipart([*envelope, p.encode(p.Hello(**fields))])
+        assert sock.poll(int(timeout_s * 1000)), "no answer to a hello"
+        reply = p.decode_reply(sock.recv_multipart()[-1])
+        assert isinstance(reply, p.HelloReply), reply
+        return reply
+
+    reply = hello()
+    return reply.session or hello(token=read_token(reply.token_path)).session

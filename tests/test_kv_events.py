@@ -25,6 +25,7 @@ from kvtier.events import BlockRecord, decode_record
 from kvtier.keys import ChunkSpan
 from kvtier.objects import HEADER_SIZE
 from kvtier.wire import protocol as p
+from kvtier_testing.data_port_junk import open_session
 from kvtier_testing.kv_event_subscriber import EventSubscriber, holdings
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.services import free_port
@@ -256,13 +257,14 @@ def test_bad_block_records_are_refused_or_left_unpublished(tmp_path):
         raw = zmq.Context.instance().socket(zmq.REQ)
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(server.url)
+        session = open_session(raw)
         for bad in (b"\xc1junk", good[1][:-3], uneven):
-            raw.send_multipart([p.encode(p.Put(keys=[spans[0].key], records=[bad])), b"object"])
+            raw.send_multipart([p.encode(p.Put(keys=[spans[0].key], records=[bad], session=session)), b"object"])
             assert raw.poll(5000)
             reply = p.decode_reply(raw.recv())
             assert isinstance(reply, p.Error) and reply.code == "bad-request", reply
             assert reply.message.startswith("put: block record 0: not a block record"), reply
-        raw.send(p.encode(p.TakeEvents()))  # the publisher takes the events: no client may
+        raw.send(p.encode(p.TakeEvents(session=session)))  # the publisher takes the events: no client may
         assert raw.poll(5000)
         reply = p.decode_reply(raw.recv())
         assert isinstance(reply, p.Error) and "subscribe there" in reply.message, reply

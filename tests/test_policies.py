@@ -4,13 +4,16 @@ ours), the cost- and prefix-aware order, write admission below L1, and their con
 
 from __future__ import annotations
 
+import contextlib
+import signal
+
 import numpy as np
 import pytest
 
 from kvtier.cache import TokenCache
 from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
-from kvtier.keys import Namespace
+from kvtier.keys import ChunkSpan, Namespace
 from kvtier.layout import KVLayout
 from kvtier.schema import convert
 from kvtier.store import TieredStore
@@ -19,7 +22,7 @@ from kvtier.tiers.admission import TinyLFU
 from kvtier.tiers.capacity import CapacityBook
 from kvtier.tiers.disk import DiskTier, FsAdapterConfig
 from kvtier.tiers.eviction import LRU, CostAware, make_policy
-from kvtier.tiers.lineage import ChunkInfo
+from kvtier.tiers.lineage import ChunkInfo, Lineage
 from kvtier.tiers.memory import L1Config, MemoryTier
 from kvtier.tiers.sketch import FrequencySketch
 from kvtier.tiers.write_admission import WriteAdmission
@@ -219,6 +222,47 @@ def test_cost_aware_lets_every_key_go_once():
     keys = chain(policy, "a", 5) + chain(policy, "b", 3) + chain(policy, "c", 2, start=4)
     order = list(policy.candidates())
     assert sorted(order) == sorted(keys)
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """Fails a call that runs past ``seconds`` (a walk that loops) instead of hanging the test."""
+    def late(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, late)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_chain_that_makes_a_chunk_its_own_ancestor_teaches_nothing():
+    """A key digests its whole prefix: a lookup that names a key twice, or puts a chunk after its
+    own descendant, is forged, and the lineage stays free of cycles."""
+    lineage = Lineage()
+    a, b = k("a"), k("b")
+    lineage.note_chain([ChunkSpan(a, 0, 16), ChunkSpan(a, 16, 32)])
+    assert lineage.get(a) is None
+    lineage.note_chain([ChunkSpan(a, 0, 16), ChunkSpan(b, 16, 32)])
+    lineage.note_chain([ChunkSpan(b, 16, 32), ChunkSpan(a, 32, 48)])  # a after b, which follows a
+    assert lineage.get(a) == ChunkInfo(16, 16, None) and lineage.get(b) == ChunkInfo(32, 16, a)
+
+
+def test_cost_aware_lets_chunks_whose_predecessors_loop_go_first():
+    """Each chunk keeps the parent known when it was stored, so links learnt at different times can
+    still close a loop (or a chunk name itself): the walk ends, and such chunks go first."""
+    policy = CostAware()
+    a, b, c, alone = k("a"), k("b"), k("c"), k("alone")
+    policy.inserted(a, 100, ChunkInfo(16, 16, b))
+    policy.inserted(b, 100, ChunkInfo(32, 16, a))
+    policy.inserted(c, 100, ChunkInfo(48, 16, c))
+    policy.inserted(alone, 100, ChunkInfo(16, 16, None))
+    with within(5):
+        order = list(policy.candidates())
+    assert set(order[:3]) == {a, b, c} and order[3:] == [alone]
 
 
 def test_lookups_teach_the_store_each_chunk_place_and_l1_then_keeps_prefixes():

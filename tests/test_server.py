@@ -142,6 +142,7 @@ def test_admin_token_protects_clear(tmp_path):
         (["--l1-size-gb", "1", "--port", "70000"], "port"),
         (["--l1-size-gb", "1", "--log-level", "LOUD"], "log_level"),
         (["--l1-size-gb", "1", "--frobnicate"], "unrecognized"),
+        (["--l1-size-gb", "1", "--http-host", "0.0.0.0"], "requires --admin-token"),
         ([], "--l1-size-gb"),
     ],
 )
@@ -187,7 +188,7 @@ def test_arena_of_a_killed_server_is_removed_by_the_next_one(server):
     from kvtier.wire.shm import SHM_DIR
 
     mine = set(SHM_DIR.glob(f"kvtier-{server.proc.pid}-*"))
-    assert len(mine) == 1
+    assert len(mine) == 2  # the arena and its token file
     server.kill()  # no chance to clean up
     assert all(path.exists() for path in mine)
     server.start()
@@ -232,8 +233,12 @@ def test_a_lookup_pins_what_the_arena_holds_and_the_load_reads_it_without_a_call
     assert retrieval is not None and [c.span for c in retrieval.chunks] == spans[1:]
     assert retrieved_is_exact(retrieval, toks)
     assert server.get("/status")["traffic"]["requests"].get("retrieve", 0) == retrieves
-    retrieval.close()
+    retrieval.close()  # given back in the scheduler's session, which holds the lease: by the release thread
+    deadline = time.monotonic() + 2
+    while _lease_count(server, worker.key_store) != before and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert _lease_count(server, worker.key_store) == before
+    assert "kvtier_foreign_handles_total 0.0" in server.get("/metrics")
     assert scheduler.lookup_spans(spans).pin is None  # asked for only
     scheduler.key_store.close()
     worker.key_store.close()

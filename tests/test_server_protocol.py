@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import threading
 import time
+import contextlib
 from contextlib import contextmanager
 
 import msgspec
@@ -22,8 +25,8 @@ from kvtier.objects import HEADER_SIZE
 from kvtier.server.main import KvtierServer
 from kvtier.server.service import AHEAD_SHARE_OF_L1
 from kvtier.wire import protocol as p
-from kvtier_testing.data_port_junk import dealer, pong_through, send_raw, zmtp1_without_envelope
-from kvtier_testing.kvtier_processes import free_port
+from kvtier_testing.data_port_junk import dealer, open_session, pong_through, send_raw, zmtp1_without_envelope
+from kvtier_testing.kvtier_processes import ServerProcess, free_port
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 
@@ -36,6 +39,10 @@ def start_server(**overrides) -> KvtierServer:
     server = KvtierServer(convert({**config, **overrides}, ServerConfig))
     server.start()
     return server
+
+
+def url_of(server: KvtierServer) -> str:
+    return f"tcp://127.0.0.1:{server.config.port}"
 
 
 @pytest.fixture(scope="module")
@@ -157,32 +164,58 @@ def test_malformed_multipart_messages_never_wedge_the_server():
 
 def test_specific_bad_requests_are_named(raw_socket):
     key = bytes(32)
+    session = open_session(raw_socket)
     cases = {
         "version": [p.encode(p.Ping(v=99))],
-        "bad-request": [p.encode(p.Put(keys=[key]))],  # a key and no object frame
+        "bad-request": [p.encode(p.Put(keys=[key], session=session))],  # a key and no object frame
     }
     for code, frames in cases.items():
         reply = ask(raw_socket, frames)
         assert isinstance(reply, p.Error) and reply.code == code
-    reply = ask(raw_socket, [p.encode(p.Put(keys=[key])), b"not an object"])
+    reply = ask(raw_socket, [p.encode(p.Put(keys=[key], session=session)), b"not an object"])
     assert isinstance(reply, p.Error) and "refused" in reply.message
-    huge = msgspec.msgpack.encode({"op": "reserve", "keys": [key], "sizes": [1 << 40]})
+    huge = msgspec.msgpack.encode({"op": "reserve", "keys": [key], "sizes": [1 << 40], "session": session})
     assert ask(raw_socket, [huge]).code == "bad-request"
     many = msgspec.msgpack.encode({"op": "lookup", "keys": [key] * (p.MAX_KEYS + 1)})
     assert ask(raw_socket, [many]).code == "bad-request"
-    assert ask(raw_socket, [p.encode(p.Ping(v=3))]).code == "version"  # the protocol before slots reserved ahead
-    stale = ask(raw_socket, [p.encode(p.Retrieve(keys=[key], arena=b"12345678"))])
+    assert ask(raw_socket, [p.encode(p.Ping(v=5))]).code == "version"  # the protocol before sessions
+    stale = ask(raw_socket, [p.encode(p.Retrieve(keys=[key], arena=b"12345678", session=session))])
     assert stale.code == "stale-arena"
     for bad, why in [
         (p.Lookup(keys=[key], ends=[16, 32]), "differ in length"),
-        (p.Lookup(keys=[key, key], ends=[32, 16]), "must not decrease"),
+        (p.Lookup(keys=[key, bytes(31) + b"x"], ends=[32, 16]), "must increase"),
+        (p.Lookup(keys=[key, bytes(31) + b"x"], ends=[16, 16]), "must increase"),
+        (p.Lookup(keys=[key, key], ends=[16, 32]), "repeats an earlier one"),
         (p.Lookup(keys=[key], partials=[key], partial_at=[2]), "past the 1 keys"),
         (p.Lookup(keys=[key], partials=[key]), "differ in length"),
         (p.Lookup(keys=[key], partials=[key], partial_at=[-1], partial_ends=[16]), "Expected `int` >= 0"),
         (p.Lookup(keys=[key], ends=[-16]), "Expected `int` >= 0"),
     ]:
-        reply = ask(raw_socket, [p.encode(bad)])
+        reply = ask(raw_socket, [p.encode(msgspec.structs.replace(bad, session=session))])
         assert isinstance(reply, p.Error) and reply.code == "bad-request" and why in reply.message, (bad, reply)
+
+
+def test_a_lookup_naming_a_key_twice_never_wedges_the_evictions_that_follow(tmp_path):
+    """``Lookup(keys=[A, A])`` would teach the lineage that A follows itself; a store under A then
+    sent the next eviction's walk up A's prefix round forever, holding L1's lock. The lookup is
+    refused, and a real server keeps storing (and evicting) within every call's timeout."""
+    server = ServerProcess(tmp_path, l1_gb=0.01).start()
+    try:
+        client = KvtierClient(server.url, timeout_s=5)
+        cache = TokenCache(client)
+        first = tokens(0, 16)
+        [span] = cache.spans(NS, first)
+        with contextlib.suppress(Unavailable):  # refused (or, were it taken, harmless)
+            client._call(p.Lookup(keys=[span.key, span.key], ends=[16, 32]))
+        assert cache.store(NS, first, fill_for(first)) == 1
+        stored = 0
+        for i in range(6):  # 3,000 objects of 4 KiB and a header: past the 10 MiB L1, so evictions run
+            toks = tokens(10_000 * (i + 1), 16 * 500)
+            stored += cache.store(NS, toks, fill_for(toks))
+        assert client.stats.timeouts == 0 and stored == 3000
+        client.close()
+    finally:
+        server.kill()
 
 
 def test_lease_of_a_client_that_died_expires():
@@ -557,3 +590,161 @@ def test_lend_gives_every_slot_from_the_pool_without_a_call_or_none(server):
     with cache.retrieve(NS, toks) as r:
         assert r.num_tokens == 48 and retrieved_is_exact(r, toks)
     client.close()
+
+
+def test_a_handle_named_by_another_session_is_refused_and_counted():
+    """Handles are random and the session's that got them: another client naming them (in
+    ``done``, an ``Abort`` or a ``Commit``) ends nothing, and each try is counted."""
+    with server_that_must_stop_in_time() as server:
+        _foreign_handles_are_refused(server)
+
+
+def _foreign_handles_are_refused(server: KvtierServer) -> None:
+    owner, intruder = KvtierClient(url_of(server), timeout_s=5), KvtierClient(url_of(server), timeout_s=5)
+    cache = TokenCache(owner)
+    toks = tokens(60_000, 32)
+    assert cache.store(NS, toks, fill_for(toks)) == 2
+    spans = cache.spans(NS, toks)
+    size = 80 + 16 * NS.layout.bytes_per_token
+    intruder.ping()
+    lease = owner._call(p.Retrieve(keys=[s.key for s in spans], arena=owner._arena_id))[0].lease
+    fresh = cache.spans(NS, tokens(61_000, 32))
+    slots = owner._call(p.Reserve(keys=[s.key for s in fresh], sizes=[size, size], arena=owner._arena_id))[0].slots
+    assert lease and len(slots) == 2 and abs(slots[1] - slots[0]) != 1  # not numbered in order
+    held = server.service.status()["leases_and_reservations"]
+    refused = server.metrics.foreign_handles._value.get()
+    intruder._call(p.Release(done=[lease, slots[0]]))
+    intruder._call(p.Abort(slots=[slots[1]]))
+    assert intruder._call(p.Commit(arena=intruder._arena_id, slots=slots[:1], keys=[fresh[0].key]))[0].committed == [False]
+    assert server.service.status()["leases_and_reservations"] == held
+    assert server.metrics.foreign_handles._value.get() == refused + 4
+    owner._call(p.Release(done=[lease, *slots]))  # the owner still can
+    assert server.service.status()["leases_and_reservations"] == held - 3
+    owner.close()
+    intruder.close()
+
+
+def test_the_data_port_admits_only_processes_that_can_read_the_token_file(server):
+    """Without CurveZMQ, the data port serves the processes that may map the arena: those that
+    can read its token file (0600, the server's user). Anyone else may say hello and ping; a
+    store, a read or a lookup is refused, and nothing is stored."""
+    token_path = server.arena.token.path
+    assert token_path.stat().st_mode & 0o777 == 0o600
+    key = cache_key = TokenCache(KvtierClient(url_of(server))).spans(NS, tokens(62_000, 16))[0].key
+    with zmq.Context() as context:
+        sock = dealer(context, server.config.port)
+        assert ask(sock, [p.encode(p.Hello())]).session == b""  # no session without the token
+        assert ask(sock, [p.encode(p.Hello(token=b"\0" * 32))]).code == "unauthorized"
+        for request in (p.Put(keys=[key]), p.Retrieve(keys=[key], inline=True), p.Lookup(keys=[key]),
+                        p.Put(keys=[key], session=b"forged-session")):
+            reply = ask(sock, [p.encode(request), bytes(4096)] if isinstance(request, p.Put) else [p.encode(request)])
+            assert isinstance(reply, p.Error) and reply.code in ("unauthorized", "stale-session"), reply
+        sock.close()
+    assert not server.store.l1.contains([cache_key])[0]
+    if os.geteuid() != 0:  # no file mode stops root: as root, the outsider becomes nobody (below)
+        token_path.chmod(0)
+    try:
+        outsider = subprocess.run([sys.executable, "-c", _OUTSIDER, url_of(server)], capture_output=True, text=True,
+                                  timeout=60)
+    finally:
+        token_path.chmod(0o600)
+    assert outsider.returncode == 0, outsider.stderr[-2000:]
+    assert json.loads(outsider.stdout.splitlines()[-1]) == {"ping": False, "stored": 0, "hit": 0}
+    assert not server.store.l1.contains([cache_key])[0]
+
+
+#: A process that may not read the token file: another user's (nobody, once its imports are in).
+_OUTSIDER = """
+import json, os, sys
+from kvtier.cache import TokenCache
+from kvtier.client import KvtierClient
+from kvtier_testing.workload import NS, fill_for, tokens
+if os.geteuid() == 0:
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+client = KvtierClient(sys.argv[1], timeout_s=2)
+cache, toks = TokenCache(client), tokens(62_000, 16)
+print(json.dumps({"ping": client.ping(), "stored": cache.store(NS, toks, fill_for(toks)),
+                  "hit": cache.lookup(NS, toks).hit_tokens}))
+"""
+
+
+def test_an_inline_read_never_pinned_for_longer_than_the_lease_timeout():
+    """The objects of an inline retrieve stay leased until ZeroMQ has sent them; a reply that is
+    never sent (a peer that never reads) gives them back at the lease timeout."""
+    server = start_server(lease_timeout_s=0.5)
+    try:
+        client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+        cache = TokenCache(client)
+        toks = tokens(63_000, 32)
+        assert cache.store(NS, toks, fill_for(toks)) == 2
+        client.close()
+        session = server.service.sessions.open()
+        keys = [s.key for s in cache.spans(NS, toks)]
+        frames, _unsent = server.service.handle([p.encode(p.Retrieve(keys=keys, inline=True, session=session))])
+        assert p.decode_reply(frames[0]).sizes and server.store.l1.clear() == 2
+        assert server.store.l1.usage().used_bytes > 0  # leased by the reply
+        time.sleep(1.0)
+        server.service.expire()
+        assert server.store.l1.usage().used_bytes == 0
+    finally:
+        server.stop()
+
+
+def test_a_reconnect_keeps_the_pool_and_the_releases_to_send():
+    """A reconnect (a new socket after a timeout) keeps the client's session, so what it holds
+    is still its own: the releases it had not sent and its pool of slots reserved ahead are given
+    back at once, not a lease timeout later."""
+    server = start_server()
+    try:
+        client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
+        cache = TokenCache(client)
+        toks = tokens(64_000, 48)
+        assert cache.store(NS, toks, fill_for(toks)) == 3
+        retrieval = cache.retrieve(NS, toks)
+        assert server.service.status()["reserved_ahead"] == 3
+        assert server.service.status()["leases_and_reservations"] == 4
+        with client._lock:
+            retrieval.close()  # its release waits for a request to carry it...
+            client._drop_socket()  # ...and the socket goes, as after a timed-out call
+        assert client.ping()
+        assert server.service.status()["leases_and_reservations"] == 3  # the release came through
+        client.close()
+        status = server.service.status()
+        assert status["reserved_ahead"] == 0 and status["leases_and_reservations"] == 0
+    finally:
+        server.stop()
+
+
+def test_a_commit_after_another_call_reconnected_to_a_restarted_server_is_not_lost():
+    """A store's slots name their arena in its commit: when, between the reservation and the
+    commit, another call reconnected to a server since restarted, the commit is refused as stale
+    and the objects are sent instead (not committed under the new arena's name, where its slot
+    handles name nothing and the store was silently lost)."""
+    server = start_server()
+    config = server.config
+    client = KvtierClient(f"tcp://127.0.0.1:{config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
+    cache = TokenCache(client)
+    restarted = []
+    try:
+        first = tokens(65_000, 48)
+        assert cache.store(NS, first, fill_for(first)) == 3  # the pool fills
+        toks = tokens(66_000, 48)
+        fill = fill_for(toks)
+
+        def fill_across_a_restart(span, dest):
+            if not restarted:
+                server.stop()
+                restarted.append(KvtierServer(config))
+                restarted[0].start()
+                assert client.ping()  # another call: a hello to the new server
+            fill(span, dest)
+
+        assert cache.store(NS, toks, fill_across_a_restart) == 3
+        assert restarted and client.stats.reserved_ahead >= 3  # its slots came from the old server's pool
+        with cache.retrieve(NS, toks) as r:
+            assert r.num_tokens == 48 and retrieved_is_exact(r, toks)
+    finally:
+        client.close()
+        (restarted[0] if restarted else server).stop()

@@ -77,6 +77,7 @@ class KvtierServer:
             status_extra=lambda: {"config": config.redacted(), "connected_clients": self._clients,
                                   "curve": self.curve is not None, "refused_peers": self._refused},
             publishes_events=config.kv_events_port is not None,
+            admits_every_peer=self.curve is not None,
         )
         self._ready = threading.Event()
         self._stopping = threading.Event()
@@ -175,8 +176,9 @@ class KvtierServer:
         log.error("kvtier server did not stop within %.1f s; exiting without waiting (threads follow)",
                   STOP_DEADLINE_S)
         faulthandler.dump_traceback(all_threads=True)
-        if self.arena.path is not None:
-            self.arena.path.unlink(missing_ok=True)
+        for path in (self.arena.path, self.arena.token.path if self.arena.token else None):
+            if path is not None:
+                path.unlink(missing_ok=True)
         os._exit(EXIT_STOP_OVERRUN)
 
     @staticmethod

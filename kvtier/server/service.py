@@ -4,13 +4,13 @@
 
 Thread-safe: the server's front thread and its worker threads call ``handle`` at once (the
 front thread only for requests ``answers_from_memory`` names). Leases and reservations handed to
-clients are kept here with a deadline; ``expire`` releases the ones whose client went quiet.
+clients are kept here with a deadline and the session that got them (sessions.py): only that
+session's requests end them, and ``expire`` releases the ones whose client went quiet.
 """
 
 from __future__ import annotations
 
 import hmac
-import itertools
 import logging
 import secrets
 import threading
@@ -26,6 +26,7 @@ from kvtier.events import decode_record
 from kvtier.objects import check_object
 from kvtier.keys import ChunkSpan
 from kvtier.keystore import Lease, Reservation
+from kvtier.server.sessions import Sessions
 from kvtier.store import TieredStore
 from kvtier.wire import protocol as p
 from kvtier.wire.shm import ARENA_OFFSET, SharedArena
@@ -43,6 +44,7 @@ class BadRequest(Exception):
 @dataclass
 class _Held:
     deadline: float
+    session: bytes  # the session that got the handle: the only one that may end it
     leases: list[Lease] | None = None
     reservation: Reservation | None = None
     ahead: bool = False  # reserved ahead: its key is a placeholder until the commit names it
@@ -55,6 +57,10 @@ AHEAD_SHARE_OF_L1 = 1 / 8
 #: Requests that only touch memory (metadata of L1 and of the handles kept here): the front
 #: thread answers them itself, without the two hops to a worker thread and back.
 _MEMORY_OPS = frozenset({"hello", "ping", "reserve", "commit", "abort", "release"})
+#: Requests that need no session (a hello opens one).
+_OPEN_OPS = frozenset({"hello", "ping"})
+#: A session unseen for this many lease timeouts is forgotten (every handle of it expired long before).
+SESSION_IDLE_LEASES = 4
 #: ... and these too where every tier is in memory (otherwise they may wait on a disk or network).
 _LOOKUP_OPS = frozenset({"lookup", "retrieve"})
 
@@ -69,8 +75,11 @@ class CacheService:
         admin_token: str = "",
         status_extra: Callable[[], dict] = dict,
         publishes_events: bool = False,
+        admits_every_peer: bool = False,
     ) -> None:
-        """``publishes_events``: the server's KV-event publisher takes the store's events."""
+        """``publishes_events``: the server's KV-event publisher takes the store's events.
+        ``admits_every_peer``: the port checked each peer's key already (CurveZMQ), so a hello
+        opens a session without the arena's token."""
         self.store = store
         self.publishes_events = publishes_events
         self.arena = arena
@@ -79,9 +88,9 @@ class CacheService:
         self.admin_token = admin_token
         self.status_extra = status_extra
         self.started = time.time()
+        self.admits_every_peer = admits_every_peer
+        self.sessions = Sessions(idle_s=SESSION_IDLE_LEASES * lease_timeout_s)
         self._held: dict[int, _Held] = {}
-        # from a random start: a handle of a server that has since restarted names nothing here
-        self._ids = itertools.count(secrets.randbelow(1 << 62) + 1)
         self._next_deadline = float("inf")  # the earliest deadline held (expire is a no-op before it)
         self._ahead_bytes = 0  # held in slots reserved ahead (claimed before they are reserved)
         self._ahead_limit = int(store.l1.capacity * AHEAD_SHARE_OF_L1)
@@ -123,8 +132,16 @@ class CacheService:
         counted, timed = self._per_op.get(op) or self._per_op.setdefault(
             op, (self.metrics.requests.labels(op), self.metrics.latency.labels(op)))
         counted.inc()
+        admitted = self.sessions.seen(request.session)
+        if not admitted and op not in _OPEN_OPS:
+            if request.session:
+                return self._error("stale-session", "this server knows no such session (it restarted, or the "
+                                   "session was idle too long); say hello again")
+            return self._error("unauthorized", "say hello first: this data port admits the processes that can "
+                               "read the server's token file (its user's) and CurveZMQ clients")
         try:
-            self._give_back(request.done)
+            if request.done and admitted:
+                self._give_back(request.done, request.session)
             response = self._handlers[type(request)](request, frames[1:])
         except BadRequest as exc:
             return self._error("bad-request", str(exc))
@@ -145,14 +162,26 @@ class CacheService:
     # -- leases and reservations -------------------------------------------------------------
 
     def _hold(self, held: _Held) -> int:
+        """A new handle for ``held``: random, so that no client can guess another's (nor name a
+        handle of a server that has since restarted)."""
         with self._lock:
-            ident = next(self._ids)
+            ident = secrets.randbits(63)
+            while not ident or ident in self._held:
+                ident = secrets.randbits(63)
             self._held[ident] = held
             self._next_deadline = min(self._next_deadline, held.deadline)
         return ident
 
-    def _take(self, ident: int) -> _Held | None:
+    def _take(self, ident: int, session: bytes, reservation: bool = False) -> _Held | None:
+        """The handle ``ident`` of ``session``, taken; None where it is unknown (expired, ended),
+        another session's (refused and counted) or, with ``reservation``, a lease (left alone)."""
         with self._lock:
+            held = self._held.get(ident)
+            if held is None or (reservation and held.reservation is None):
+                return None
+            if held.session != session:
+                self.metrics.foreign_handles.inc()
+                return None
             return self._pop(ident)
 
     def _pop(self, ident: int) -> _Held | None:
@@ -163,8 +192,10 @@ class CacheService:
         return held
 
     def expire(self) -> None:
-        """Release leases and abort reservations whose deadline has passed (called after every
-        request: nothing to do, and no walk over the handles, before the earliest deadline)."""
+        """Release leases and abort reservations whose deadline has passed, forget idle sessions
+        (called after every request: nothing to do, and no walk over the handles, before the
+        earliest deadline)."""
+        self.sessions.expire()
         now = time.monotonic()
         if now <= self._next_deadline:
             return
@@ -176,11 +207,11 @@ class CacheService:
             self._end(held)
             self.metrics.expired.labels("lease" if held.leases is not None else "reservation").inc()
 
-    def _give_back(self, idents: list[int]) -> None:
-        """The handles a client is done with: leases released, slots aborted; unknown or
-        expired ones are ignored (each handle is ended once, by whoever takes it first)."""
+    def _give_back(self, idents: list[int], session: bytes) -> None:
+        """The handles a session is done with: leases released, slots aborted; unknown or
+        expired ones are ignored, another session's refused (each handle is ended once)."""
         for ident in idents:
-            held = self._take(ident)
+            held = self._take(ident, session)
             if held is not None:
                 self._end(held)
 
@@ -196,6 +227,14 @@ class CacheService:
     # -- handlers ----------------------------------------------------------------------------
 
     def _hello(self, request: p.Hello, frames: list) -> Response:
+        if self.sessions.seen(request.session):
+            session = request.session
+        elif request.token:
+            if not hmac.compare_digest(request.token, self.arena.token.token):
+                return self._error("unauthorized", "hello: not the token of this server's token file")
+            session = self.sessions.open()
+        else:
+            session = self.sessions.open() if self.admits_every_peer else b""
         shared = self.arena.path is not None
         return self._reply(
             p.HelloReply(
@@ -206,6 +245,8 @@ class CacheService:
                 shm_nonce=self.arena.nonce if shared else b"",
                 arena_offset=ARENA_OFFSET,
                 lease_timeout_s=self.lease_timeout_s,
+                session=session,
+                token_path=str(self.arena.token.path),
             )
         )
 
@@ -217,8 +258,10 @@ class CacheService:
         partial_ends = request.partial_ends or [0] * len(request.partials)
         if len(ends) != len(keys) or not len(request.partials) == len(request.partial_at) == len(partial_ends):
             raise BadRequest("lookup: keys and ends, or partials, partial_at and partial_ends, differ in length")
-        if any(b < a for a, b in zip([0, *ends], ends)):
-            raise BadRequest("lookup: chunk ends must not decrease")
+        if request.ends and any(b <= a for a, b in zip([0, *ends], ends)):
+            raise BadRequest("lookup: chunk ends must increase (a chunk holds a token or more)")
+        if len(set(keys)) != len(keys):  # a key digests its whole prefix: a prompt never repeats one
+            raise BadRequest("lookup: a key repeats an earlier one")
         spans = [ChunkSpan(key, start, end) for key, start, end in zip(keys, [0, *ends], ends)]
         groups: list[list[int]] = [[] for _ in range(len(keys) + 1)]
         for j, at in enumerate(request.partial_at):
@@ -245,7 +288,7 @@ class CacheService:
             keys = [span.key for span in hit] + ([request.partials[partial]] if partial >= 0 else [])
             leases = self.store.lease_resident(keys) if keys else []
             if leases:
-                ident = self._hold(_Held(self._deadline(), leases=leases))
+                ident = self._hold(_Held(self._deadline(), request.session, leases=leases))
                 reply = msgspec.structs.replace(reply, lease=ident, offsets=[lease.offset for lease in leases],
                                                 sizes=[len(lease.view) for lease in leases])
         return self._reply(reply)
@@ -270,16 +313,16 @@ class CacheService:
                 offsets.append(-1)
             else:
                 states.append("slot")
-                slots.append(self._hold(_Held(self._deadline(), reservation=reservation)))
+                slots.append(self._hold(_Held(self._deadline(), request.session, reservation=reservation)))
                 offsets.append(reservation.offset)
         full = len(request.keys) - len(reservations)
-        ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead)
+        ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead, request.session)
         return self._reply(p.ReserveReply(states=states + ["full"] * full, slots=slots + [0] * full,
                                           offsets=offsets + [-1] * full, ahead_slots=ahead_slots,
                                           ahead_offsets=ahead_offsets))
 
-    def _reserve_ahead(self, sizes: list[int]) -> tuple[list[int], list[int]]:
-        """Unnamed slots of these sizes, as many as there is room for within
+    def _reserve_ahead(self, sizes: list[int], session: bytes) -> tuple[list[int], list[int]]:
+        """Unnamed slots of these sizes for ``session``, as many as there is room for within
         ``AHEAD_SHARE_OF_L1``: (ids, arena offsets). Each
         is reserved under a random placeholder key, which no reader asks for (and an uncommitted
         slot is invisible anyway) until the commit that names its object binds the real key."""
@@ -294,7 +337,7 @@ class CacheService:
                 with self._lock:
                     self._ahead_bytes -= size
                 break
-            idents.append(self._hold(_Held(self._deadline(), reservation=reservation, ahead=True)))
+            idents.append(self._hold(_Held(self._deadline(), session, reservation=reservation, ahead=True)))
             offsets.append(reservation.offset)
         return idents, offsets
 
@@ -306,9 +349,9 @@ class CacheService:
             return self._error("stale-arena", "commit names slots of another arena; say hello again")
         committed = []
         for i, ident in enumerate(request.slots):
-            held = self._take_reservation(ident)
+            held = self._take(ident, request.session, reservation=True)
             if held is None:
-                committed.append(False)  # unknown, expired (and aborted), or a lease
+                committed.append(False)  # unknown, expired (and aborted), another session's, or a lease
                 continue
             reservation = held.reservation
             key = request.keys[i] if request.keys else reservation.key
@@ -336,23 +379,15 @@ class CacheService:
             committed.extend(self.store.commit([reservation]))
             self.metrics.stored_tokens.inc(header.num_tokens)
             self.metrics.store_bytes.observe(len(reservation.view))
-        ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead)
+        ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead, request.session)
         return self._reply(p.CommitReply(committed=committed, ahead_slots=ahead_slots, ahead_offsets=ahead_offsets))
 
     def _abort(self, request: p.Abort, frames: list) -> Response:
         for ident in request.slots:
-            held = self._take_reservation(ident)
+            held = self._take(ident, request.session, reservation=True)
             if held is not None:
                 self.store.abort([held.reservation])
         return self._reply(p.AbortReply())
-
-    def _take_reservation(self, ident: int) -> _Held | None:
-        """The reservation under ``ident``, taken; None (and a lease left alone) otherwise."""
-        with self._lock:
-            held = self._held.get(ident)
-            if held is None or held.reservation is None:
-                return None
-            return self._pop(ident)
 
     def _put(self, request: p.Put, frames: list) -> Response:
         if len(frames) != len(request.keys):
@@ -391,12 +426,14 @@ class CacheService:
         offsets = [-1 if inline or not lease.pinned else lease.offset for lease in leases]
         sizes = [len(lease.view) for lease in leases]
         out = [lease.view for lease, offset in zip(leases, offsets) if offset < 0]
-        if inline:
+        if inline:  # leased until ZeroMQ has sent them, or the lease timeout (the client's checksum
+            # check refuses what changed meanwhile): a peer that never reads cannot pin memory for ever
+            ident = self._hold(_Held(self._deadline(), request.session, leases=leases))
             reply = p.RetrieveReply(lease=0, offsets=offsets, sizes=sizes)
-            return [p.encode(reply), *out], lambda: self.store.release(leases)
+            return [p.encode(reply), *out], lambda: self._give_back([ident], request.session)
         # Objects that came back unpinned travel as frames; the rest stay leased until released.
         pinned = [lease for lease in leases if lease.pinned]
-        ident = self._hold(_Held(self._deadline(), leases=pinned)) if pinned else 0
+        ident = self._hold(_Held(self._deadline(), request.session, leases=pinned)) if pinned else 0
         return self._reply(p.RetrieveReply(lease=ident, offsets=offsets, sizes=sizes), *out)
 
     def _release(self, request: p.Release, frames: list) -> Response:
@@ -447,6 +484,7 @@ class CacheService:
             "shared_memory": self.arena.path is not None,
             "tiers": tiers,
             "store": msgspec.to_builtins(self.store.stats),
+            "sessions": len(self.sessions),
             "leases_and_reservations": held,
             "reserved_ahead": ahead,  # of those, slots in clients' pools
             "reserved_ahead_bytes": ahead_bytes,  # at most AHEAD_SHARE_OF_L1 of L1

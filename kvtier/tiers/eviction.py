@@ -163,18 +163,23 @@ class CostAware(EvictionPolicy):
                 del self._children[entry.parent]
 
     def _stranded(self) -> set[bytes]:
-        """Chunks some predecessor of which this tier no longer holds."""
+        """Chunks some predecessor of which this tier no longer holds, and chunks whose chain of
+        predecessors loops (each entry keeps the parent known when it was stored, so forged
+        lookups can join old and new links into a cycle: such a chain is no prefix, worth nothing)."""
         entries, known = self._entries, {}
         for key in entries:
-            path = []
+            path: dict[bytes, None] = {}  # insertion-ordered: the walk so far, for its cycle check
             while key not in known:
-                path.append(key)
+                path[key] = None
                 parent = entries[key].parent
                 if parent is None:
                     verdict = False
                     break
                 if parent not in entries:
                     verdict = not self.holds(parent)
+                    break
+                if parent in path:
+                    verdict = True
                     break
                 key = parent
             else:

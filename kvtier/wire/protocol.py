@@ -25,8 +25,17 @@ Reads through shared memory are leases: ``Retrieve`` pins objects and says where
 leases to release, slots reserved ahead it will not fill), handled before the request itself, so
 a release costs no round trip of its own; ``Release`` alone is for when no request follows soon.
 Leases and slots expire after the server's lease timeout (``HelloReply.lease_timeout_s``), so a
-client that dies mid-way cannot pin memory for longer. Handles are numbered from a random start,
-so the handles of a server that has since restarted never name the new one's leases.
+client that dies mid-way cannot pin memory for longer.
+
+Every request but ``Hello`` and ``Ping`` names the ``session`` its client's hello opened
+(kvtier/server/sessions.py). A hello opens one for a process that proves it may map the arena
+(``Hello.token``: the bytes of the token file ``HelloReply.token_path`` names; a first hello
+without it learns the path) or for any peer of a CurveZMQ port; otherwise it answers with no
+session, and every other request is refused (``unauthorized``). Handles are random and belong to
+the session that got them: a handle named by another session is refused (and counted), one the
+server no longer knows is ignored. A hello naming its session again keeps it, and its handles,
+across a reconnect; a session the server does not know (it restarted, or the session was idle
+past its limit) is refused as ``stale-session``: say hello again.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import msgspec
 from kvtier.events import MAX_RECORD_BYTES, CacheEvent
 from kvtier.schema import TenantName
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 #: Shared-memory requests name the arena they mean by this many bytes of its nonce, so a client
 #: still mapping the arena of a server that has since restarted is refused ("stale-arena"),
 #: never handed offsets into memory that now means something else.
@@ -56,15 +65,23 @@ Records = Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_RECORD_BYT
 Sizes = Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=MAX_OBJECT_BYTES)]], msgspec.Meta(max_length=MAX_KEYS)]
 
 
+#: A session (sessions.py) and the arena's token (wire/shm.py), as the wire carries them.
+Session = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
 class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, frozen=True):
     v: int = PROTOCOL_VERSION
     done: Ids = []  # handles the client is done with: leases released, unfilled slots aborted, first
+    session: Session = b""  # from HelloReply; what the ``done`` handles and any handle named must belong to
 
 
 class Hello(_Request, tag="hello"):
-    """First message of a client: learns the server's shared-memory arena, if it can map it."""
+    """First message of a client: learns the server's shared-memory arena, if it can map it, and
+    gets its session. ``session``: the client's session so far, kept if the server knows it;
+    ``token``: the token file's bytes, to be admitted without one."""
 
     client: str = ""
+    token: Session = b""
 
 
 class Ping(_Request, tag="ping"):
@@ -169,6 +186,8 @@ class HelloReply(_Reply, tag="hello"):
     shm_nonce: bytes  # the arena's first bytes: a client that reads them maps the same memory
     arena_offset: int
     lease_timeout_s: float  # a lease or a slot left this long is released or aborted
+    session: bytes  # the client's session (the one its hello named, if kept); empty: not admitted
+    token_path: str  # the token file whose bytes admit a process that may map the arena
 
 
 class Pong(_Reply, tag="pong"):
@@ -242,7 +261,7 @@ class EventsReply(_Reply, tag="events"):
 
 
 class Error(_Reply, tag="error"):
-    code: str  # "bad-request", "version", "stale-arena", "unauthorized", "internal"
+    code: str  # "bad-request", "version", "stale-arena", "stale-session", "unauthorized", "internal"
     message: str
 
 
