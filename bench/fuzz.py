@@ -28,6 +28,7 @@ TARGETS = {
     "failures": Target("==", 0, "no example broke an invariant"),
     "max_call_s": Target("<=", fuzz_server.CALL_LIMIT_S, "no client call past its timeout + slack"),
     "objects_checked": Target(">=", 1, "retrieves hit, and were checked"),
+    "servers_replaced": Target("==", 0, "the server never stopped answering"),
 }
 BATCH = 25  # examples per hypothesis run: a failure costs its batch, not the whole run
 
@@ -81,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         "servers_replaced": stats["server_replaced"],
         "max_call_s": round(target.max_call_s, 3),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "failure_kinds": sorted(set(failures)),
+        "failure_kinds": sorted(set(failures) | {error for error, _ in target.failed}),
     }
+    shortest: dict[str, list[str]] = {}
+    for error, trace in target.failed:
+        if error not in shortest or len(trace) < len(shortest[error]):
+            shortest[error] = trace
+    for error, trace in shortest.items():
+        print(f"\nshortest failing example seen for {error}:\n  " + "\n  ".join(trace))
+    print()
     for key, value in summary.items():
         print(f"{key:<22} {value}")
     met = report(summary, TARGETS)

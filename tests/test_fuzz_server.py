@@ -7,9 +7,9 @@ import random
 
 from kvtier_testing import fuzz_server
 
-#: About a minute on the 2-core machine (each example is tens of moves; one in four restarts the
-#: server, one in six waits out the lease time).
-EXAMPLES = 40
+#: About a minute and a half on an idle 2-core machine (each example is tens of moves; one in
+#: four restarts the server, one in six waits out the lease time).
+EXAMPLES = 30
 
 
 def test_fuzzer_breaks_no_invariant(tmp_path):
@@ -22,6 +22,5 @@ def test_fuzzer_breaks_no_invariant(tmp_path):
     assert target.examples >= EXAMPLES
     # the moves that matter ran: a fuzzer that stops reaching them would pass vacuously
     for figure in ("objects_checked", "retrieve_hits", "restarts", "lease_waits", "owner_commits",
-                   "foreign_done", "foreign_release", "foreign_abort", "foreign_commit", "stale_refused",
-                   "forged_refused"):
+                   "foreign_counted", "stale_refused"):
         assert stats[figure] >= 1, f"no {figure} in {EXAMPLES} examples: {dict(stats)}"
