@@ -176,7 +176,6 @@ class KvtierClient:
         """A fresh REQ socket and a hello (a timed-out REQ socket cannot be reused)."""
         sock = self._context.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDTIMEO, int(self.timeout_s * 1000))  # a send waits only for a peer to connect
         if self.curve is not None:
             self.curve.apply(sock)
         sock.connect(self.url)
@@ -231,6 +230,7 @@ class KvtierClient:
         ZeroMQ one does)."""
         sock = self._socket
         try:
+            sock.setsockopt(zmq.SNDTIMEO, _remaining_ms(deadline))  # a send waits only for a peer to connect
             if frames:
                 sock.send_multipart([p.encode(request), *frames], copy=False)  # kept alive until sent
             else:
