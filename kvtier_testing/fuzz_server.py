@@ -11,8 +11,10 @@ The invariants, checked after every move:
 - every call is answered within its timeout (plus slack), and the server answers a lookup;
 - after the lease time, nothing is held: no lease or reservation, and a cleared L1 is empty;
 - one client's handles cannot affect another's: a lease named by another session stays pinned
-  (its bytes intact through a clear and new stores) and a slot named by another session can
-  still be committed by its owner.
+  (its bytes intact through a clear and new stores), a slot named by another session can still
+  be committed by its owner, and the server counts each such naming (kvtier_foreign_handles);
+- a request without a session, with one the server never gave, or a hello with a wrong token
+  is refused.
 """
 
 from __future__ import annotations
