@@ -27,9 +27,14 @@ JUNK_LAST = 8  # twice the default number of workers
 
 
 def arena_of(server: ServerProcess) -> Path:
-    arenas = list(SHM_DIR.glob(f"kvtier-{server.proc.pid}-*"))
-    assert len(arenas) == 1, arenas
+    """The server's arena file (its token file lies beside it, ``<arena>.token``)."""
+    arenas = [path for path in SHM_DIR.glob(f"kvtier-{server.proc.pid}-*") if path.suffix != ".token"]
+    assert len(arenas) == 1 and token_of(arenas[0]).exists(), arenas
     return arenas[0]
+
+
+def token_of(arena: Path) -> Path:
+    return arena.with_name(arena.name + ".token")
 
 
 def sigterm(server: ServerProcess) -> int:
@@ -45,7 +50,7 @@ def sigterm(server: ServerProcess) -> int:
 def assert_stops_cleanly_on_sigterm(server: ServerProcess) -> None:
     arena = arena_of(server)
     assert sigterm(server) == 0
-    assert not arena.exists(), "the arena outlived its server"
+    assert not arena.exists() and not token_of(arena).exists(), "the arena outlived its server"
     assert "kvtier server stopped on SIGTERM" in server.log.read_text()
 
 
@@ -121,7 +126,7 @@ def test_a_stop_that_hangs_is_ended_by_the_watchdog(tmp_path):
     server.start()
     arena = arena_of(server)
     assert sigterm(server) == EXIT_STOP_OVERRUN
-    assert not arena.exists(), "the arena outlived its server"
+    assert not arena.exists() and not token_of(arena).exists(), "the arena outlived its server"
     log = server.log.read_text()
     assert "stopping on SIGTERM" in log and "did not stop within" in log
     assert "in <lambda>" in log  # the stack of the hung thread, so an operator sees where
