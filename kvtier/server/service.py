@@ -57,12 +57,12 @@ AHEAD_SHARE_OF_L1 = 1 / 8
 #: Requests that only touch memory (metadata of L1 and of the handles kept here): the front
 #: thread answers them itself, without the two hops to a worker thread and back.
 _MEMORY_OPS = frozenset({"hello", "ping", "reserve", "commit", "abort", "release"})
+#: ... and these too where every tier is in memory (otherwise they may wait on a disk or network).
+_LOOKUP_OPS = frozenset({"lookup", "retrieve"})
 #: Requests that need no session (a hello opens one).
 _OPEN_OPS = frozenset({"hello", "ping"})
 #: A session unseen for this many lease timeouts is forgotten (every handle of it expired long before).
 SESSION_IDLE_LEASES = 4
-#: ... and these too where every tier is in memory (otherwise they may wait on a disk or network).
-_LOOKUP_OPS = frozenset({"lookup", "retrieve"})
 
 
 class CacheService:
@@ -177,12 +177,12 @@ class CacheService:
         another session's (refused and counted) or, with ``reservation``, a lease (left alone)."""
         with self._lock:
             held = self._held.get(ident)
-            if held is None or (reservation and held.reservation is None):
+            if held is None:
                 return None
             if held.session != session:
                 self.metrics.foreign_handles.inc()
                 return None
-            return self._pop(ident)
+            return None if reservation and held.reservation is None else self._pop(ident)
 
     def _pop(self, ident: int) -> _Held | None:
         """Forget a handle (the caller holds the lock); a slot reserved ahead gives back its room."""
@@ -428,9 +428,11 @@ class CacheService:
         out = [lease.view for lease, offset in zip(leases, offsets) if offset < 0]
         if inline:  # leased until ZeroMQ has sent them, or the lease timeout (the client's checksum
             # check refuses what changed meanwhile): a peer that never reads cannot pin memory for ever
+            reply = [p.encode(p.RetrieveReply(lease=0, offsets=offsets, sizes=sizes)), *out]
+            if not leases:
+                return reply, None
             ident = self._hold(_Held(self._deadline(), request.session, leases=leases))
-            reply = p.RetrieveReply(lease=0, offsets=offsets, sizes=sizes)
-            return [p.encode(reply), *out], lambda: self._give_back([ident], request.session)
+            return reply, lambda: self._give_back([ident], request.session)
         # Objects that came back unpinned travel as frames; the rest stay leased until released.
         pinned = [lease for lease in leases if lease.pinned]
         ident = self._hold(_Held(self._deadline(), request.session, leases=pinned)) if pinned else 0
