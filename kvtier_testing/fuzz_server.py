@@ -478,8 +478,8 @@ class ServerFuzz(RuleBasedStateMachine):
             reply, _ = session.ask(p.Commit(slots=[held.handle], keys=[other_key], arena=session.arena_id))
             assert not isinstance(reply, p.CommitReply) or reply.committed != [True], "a foreign commit was taken"
         assert not isinstance(reply, p.Error), reply
-        # a live handle named by another session is refused and counted (abort and commit name slots only)
-        if held.fresh(self.epoch) and (how in ("done", "release") or held.kind == "slot"):
+        # a live handle named by another session is refused and counted, whatever call names it
+        if held.fresh(self.epoch):
             assert self.target.foreign_handles() == before + 1, f"a foreign {how} of a {held.kind} was not counted"
             self.count("foreign_counted")
 
