@@ -98,6 +98,37 @@ def test_prometheus_counters_per_engine_and_tier():
     assert samples[("dropped_saves", ("0", "m"))] == 0  # present from the start
 
 
+def test_load_or_recompute_estimates_are_gauges_of_their_newest_value():
+    """The estimates travel when they change, as values (not what they gained), the newest
+    winning where stats meet; vLLM's /metrics shows them as gauges."""
+    interval = Interval()
+    estimates = {"prefill_us_per_token": 90.0, "prefill_tokens_per_s": None, "tier_tokens_per_s": {"memory": 10**8},
+                 "load_decision_changes": 1}
+    assert interval.take(totals(estimates)).data == {"prefill_us_per_token": 90.0, "tier_tokens_per_second": {"memory": 10**8},
+                                                     "load_decision_changes": 1}
+    assert interval.take(totals(estimates)) is None
+    later = {**estimates, "prefill_tokens_per_s": 8000, "tier_tokens_per_s": {"memory": 10**8, "redis": 485},
+             "load_decision_changes": 3}
+    assert interval.take(totals(later)).data == {"prefill_tokens_per_second": 8000, "tier_tokens_per_second": {"redis": 485},
+                                                 "load_decision_changes": 2}
+    merged = build_stats({"prefill_us_per_token": 90.0, "load_decision_changes": 1}).aggregate(
+        build_stats({"prefill_us_per_token": 80.0, "load_decision_changes": 1}))
+    assert merged.data == {"prefill_us_per_token": 80.0, "load_decision_changes": 2}
+
+    registry = CollectorRegistry()
+    types = {kind: (lambda kind: lambda **kw: kind(registry=registry, **kw))(kind) for kind in (PromCounter, Gauge, Histogram)}
+    from vllm.config import VllmConfig
+
+    metrics = KvtierPromMetrics(VllmConfig(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    metrics.observe({"prefill_us_per_token": 90.0, "tier_tokens_per_second": {"redis": 485}, "load_decision_changes": 1})
+    metrics.observe({"prefill_us_per_token": 80.0, "load_decision_changes": 1})
+    shown = {(s.name, s.labels.get("tier")): s.value for family in text_string_to_metric_families(generate_latest(registry).decode())
+             for s in family.samples if s.name.startswith(PREFIX)}
+    assert shown[(PREFIX + "prefill_us_per_token", None)] == 80.0
+    assert shown[(PREFIX + "tier_tokens_per_second", "redis")] == 485
+    assert shown[(PREFIX + "load_decision_changes_total", None)] == 2
+
+
 def _samples(text: str) -> dict:
     """(figure name, sorted label values) -> value of every ``vllm:kvtier_*_total`` sample."""
     out = {}

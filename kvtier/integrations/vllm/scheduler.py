@@ -146,6 +146,11 @@ class SchedulerStats:
     recomputed_by_tier: Counter = field(default_factory=Counter)
     recomputed_chunks_by_tier: Counter = field(default_factory=Counter)
     load_probes: int = 0  # probe jobs: reads of a skipped tier, beside the engine, to measure it again
+    load_decision_changes: int = 0  # times a tier started or stopped being skipped (load_costs.py)
+    # gauges: the estimates of the last decision (None, or a tier absent: not measured yet)
+    prefill_us_per_token: float | None = None
+    prefill_tokens_per_s: float | None = None
+    tier_tokens_per_s: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {name: dict(value) if isinstance(value, Counter) else value for name, value in vars(self).items()}
@@ -186,7 +191,6 @@ class KvtierScheduler:
         self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
         self._next_step = 0
         self._timed_steps: dict[int, tuple[float, int, int]] = {}  # step -> (built at, tokens, position sum)
-        self._skipped_tiers: set[str] = set()  # tiers the last decision skipped (for the log)
 
     # -- chunk size ----------------------------------------------------------------------------
 
@@ -295,11 +299,13 @@ class KvtierScheduler:
         if cut.probe is not None:
             self._probes.append(self._probe_job(req_id, scope, tiers, spans, chunk, cut.probe[1], hit))
             self.stats.load_probes += 1
-        skipped = set(cut.skipped_tokens)
-        for tier in skipped ^ (self._skipped_tiers & set(tiers)):  # started or stopped being skipped
-            log.info("kvtier: %s tier %s: %s", "skipping" if tier in skipped else "loading from", tier,
-                     self.costs.figures()["tiers"].get(tier))
-        self._skipped_tiers = (self._skipped_tiers - set(tiers)) | skipped
+        # the estimates the decision used, for vLLM's /metrics (changes of decision are logged)
+        figures = self.costs.figures()
+        self.stats.load_decision_changes = self.costs.decision_changes
+        self.stats.prefill_us_per_token = (figures["prefill"] or {}).get("us_per_token")
+        self.stats.prefill_tokens_per_s = (figures["prefill"] or {}).get("measured_tokens_per_s")
+        self.stats.tier_tokens_per_s = {tier: f["measured_tokens_per_s"] for tier, f in figures["tiers"].items()
+                                        if f["measured_tokens_per_s"] is not None}
         return cut.end
 
     def _probe_job(self, req_id: ReqId, scope: RequestScope, tiers: list[str],
@@ -623,7 +629,7 @@ class KvtierScheduler:
         return True
 
     def figures(self) -> dict:
-        """The running totals, and the load-or-recompute estimates (not counters: not in /metrics)."""
+        """The running totals, and the load-or-recompute estimates (in /metrics as gauges: those of the last decision)."""
         figures = totals(self.stats.as_dict())
         return {**figures, "load_costs": self.costs.figures()} if self.costs is not None else figures
 
