@@ -85,8 +85,11 @@ RIDGE = 1e-4
 #: otherwise put the time in the overhead, which no chunk is charged: computing would look free.
 #: Shrinking it errs the other way, toward computing looking dear, which loads.
 OVERHEAD_RIDGE = 0.01
-#: Reweighting rounds per stage (Huber, then Tukey); a fit converges in a few.
+#: Reweighting rounds per stage (Huber, then Tukey), at most; a fit converges in a few, fewer
+#: from the last fit (a sample further).
 ROUNDS = 20
+#: Where a reweighting round has converged: no coefficient moved more than this, relatively.
+CONVERGED = 1e-4
 
 
 class RobustFit:
@@ -115,6 +118,7 @@ class RobustFit:
         self._w = np.zeros(0)  # each sample's decay weight as of the last one
         self._coef: np.ndarray | None = None
         self._rate: float | None = None
+        self._start: np.ndarray | None = None  # the last fit (scaled): where the next one starts
 
     @property
     def weight(self) -> float:
@@ -160,18 +164,24 @@ class RobustFit:
         x = self._x / self._scale
         y, w = self._y, self._w
         floor = max(1e-3 * _weighted_median(y, w), 1e-12)  # no sample weighs more than 1/floor^2
-        coef = _nonnegative_least_squares(x, y, w / np.maximum(y, floor) ** 2, self.constant_ridge)
-        for tuning, weigh in ((HUBER_K, _huber), (TUKEY_C, _bisquare)):
+        coef, stages = self._start, ((TUKEY_C, _bisquare),)  # from the last fit: one sample further
+        if coef is None or self.samples % HALF_LIFE_SAMPLES == 0 or not (x @ coef > 0).any():
+            # from scratch now and then: Huber's weights (convex: one optimum) find the bulk of
+            # the samples, from which Tukey's cannot go astray
+            coef = _nonnegative_least_squares(x, y, w / np.maximum(y, floor) ** 2, self.constant_ridge)
+            stages = ((HUBER_K, _huber), (TUKEY_C, _bisquare))
+        for tuning, weigh in stages:
             for _ in range(ROUNDS):
                 fitted = np.maximum(x @ coef, floor)
                 residual = (y - fitted) / fitted
                 spread = max(_weighted_median(np.abs(residual), w) / 0.6745, MIN_NOISE)
                 refit = _nonnegative_least_squares(x, y, w * weigh(residual / (tuning * spread)) / fitted**2,
                                                    self.constant_ridge)
-                done = np.allclose(refit, coef, rtol=1e-6, atol=1e-12)
+                moved = np.abs(refit - coef).max() / max(np.abs(refit).max(), 1e-300)
                 coef = refit
-                if done:
+                if moved < CONVERGED:
                     break
+        self._start = coef
         return coef
 
 
@@ -200,7 +210,7 @@ def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray, w: np.ndarray, cons
     active = list(range(len(moment)))
     coef = np.zeros(len(moment))
     while active:
-        sub = np.ix_(active, active)
+        sub = np.ix_(active, active) if len(active) < len(moment) else slice(None)
         solved = np.linalg.solve(gram[sub] + np.diag(ridge[active]), moment[active])
         if (solved >= 0).all():
             coef[active] = solved
