@@ -203,23 +203,17 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            figure.name: self._gauge_cls(
-                name=PREFIX + figure.name,
-                documentation=figure.documentation,
-                labelnames=labelnames + ([figure.label] if figure.label else []),
-                multiprocess_mode="mostrecent",
-            ) if figure.gauge else self._counter_cls(
-                name=PREFIX + figure.name,
-                documentation=figure.documentation,
-                labelnames=labelnames + ([figure.label] if figure.label else []),
-            )
-            for figure in FIGURES
-        }
+        self._counters = {}
         for figure in FIGURES:
-            if not figure.label and not figure.gauge:
+            metric = dict(name=PREFIX + figure.name, documentation=figure.documentation,
+                          labelnames=labelnames + ([figure.label] if figure.label else []))
+            if figure.gauge:
+                self._counters[figure.name] = self._gauge_cls(**metric, multiprocess_mode="mostrecent")
+                continue
+            counter = self._counters[figure.name] = self._counter_cls(**metric)
+            if not figure.label:
                 for labelvalues in per_engine_labelvalues.values():
-                    self._counters[figure.name].labels(*labelvalues)
+                    counter.labels(*labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
