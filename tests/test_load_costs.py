@@ -52,7 +52,7 @@ def test_fit_never_answers_a_negative_cost():
     fit = RobustFit((1.0, 1024.0), half_life_s=60.0, gap_s=30.0)
     for tokens, seconds in [(256, 0.010), (4096, 0.001), (1024, 0.006)]:  # bigger reads faster: noise
         fit.add((1.0, tokens), seconds, now=0.0)
-    assert (fit.coefficients() >= 0).all()
+    assert min(fit.coefficients()) >= 0
 
 
 def test_prefill_estimate_grows_with_position():

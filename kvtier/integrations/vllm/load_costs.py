@@ -116,7 +116,7 @@ class RobustFit:
         self._x = np.zeros((0, len(scale)))
         self._y = np.zeros(0)
         self._w = np.zeros(0)  # each sample's decay weight as of the last one
-        self._coef: np.ndarray | None = None
+        self._coef: list[float] | None = None
         self._rate: float | None = None
         self._start: np.ndarray | None = None  # the last fit (scaled): where the next one starts
 
@@ -142,12 +142,12 @@ class RobustFit:
         decay = 0.5 ** ((now - self.last) / self.half_life_s + 1 / HALF_LIFE_SAMPLES)
         return min(decay, GAP_WEIGHT / weight) if now - self.last > self.gap_s else decay
 
-    def coefficients(self) -> np.ndarray | None:
-        """The fit, or None with too few samples."""
+    def coefficients(self) -> list[float] | None:
+        """The fit, or None with too few samples (Python floats: figures travel through msgpack)."""
         if self.samples < MIN_SAMPLES:
             return None
         if self._coef is None:
-            self._coef = self._robust_fit() / self._scale
+            self._coef = (self._robust_fit() / self._scale).tolist()
         return self._coef
 
     def rate(self, feature: int) -> float | None:
@@ -299,7 +299,7 @@ class LoadOrRecompute:
         that runs anyway (its overhead not counted); None: not measured yet, or measured as free
         (no positive cost per token or per position: not a measurement)."""
         coef = self.prefill.coefficients()
-        if coef is None or not (coef[1:] > 0).any():
+        if coef is None or max(coef[1:]) <= 0:
             return None
         return float(coef[1] * (end - start) + coef[2] * (end * (end - 1) - start * (start - 1)) / 2)
 
@@ -379,8 +379,21 @@ class LoadOrRecompute:
             total += seconds
         return total
 
+    def gauges(self) -> dict:
+        """What vLLM's /metrics shows of the estimates (``SchedulerStats`` fields, metrics.py):
+        the prefill's cost a token, its and each tier's measured rate, and the changes of decision."""
+        figures = self.figures()
+        prefill = figures["prefill"] or {}
+        return {
+            "prefill_us_per_token": prefill.get("us_per_token"),
+            "prefill_tokens_per_s": prefill.get("measured_tokens_per_s"),
+            "tier_tokens_per_s": {tier: f["measured_tokens_per_s"] for tier, f in figures["tiers"].items()
+                                  if f["measured_tokens_per_s"] is not None},
+            "load_decision_changes": self.decision_changes,
+        }
+
     def figures(self) -> dict:
-        """The estimates, for tests, benchmarks, the log and vLLM's /metrics."""
+        """The estimates, for tests, benchmarks and the log."""
         coef = self.prefill.coefficients()
         rate = self.prefill.rate(1)
         return {

@@ -299,13 +299,8 @@ class KvtierScheduler:
         if cut.probe is not None:
             self._probes.append(self._probe_job(req_id, scope, tiers, spans, chunk, cut.probe[1], hit))
             self.stats.load_probes += 1
-        # the estimates the decision used, for vLLM's /metrics (changes of decision are logged)
-        figures = self.costs.figures()
-        self.stats.load_decision_changes = self.costs.decision_changes
-        self.stats.prefill_us_per_token = (figures["prefill"] or {}).get("us_per_token")
-        self.stats.prefill_tokens_per_s = (figures["prefill"] or {}).get("measured_tokens_per_s")
-        self.stats.tier_tokens_per_s = {tier: f["measured_tokens_per_s"] for tier, f in figures["tiers"].items()
-                                        if f["measured_tokens_per_s"] is not None}
+        for name, value in self.costs.gauges().items():  # the estimates the decision used, for /metrics
+            setattr(self.stats, name, value)
         return cut.end
 
     def _probe_job(self, req_id: ReqId, scope: RequestScope, tiers: list[str],
