@@ -133,6 +133,23 @@ def test_skipped_tier_is_probed_beside_the_request_and_used_again_once_fast():
     assert after.end == 0 and after.probe is None
 
 
+def test_a_slow_tier_probed_twice_stays_skipped_for_long_hits():
+    """Probes read one chunk, and after each gap the samples before it weigh a tenth together:
+    the probe of a tier still slow must not turn into an estimate that a long hit reads at the
+    chunk's speed (bench slow-remote: after two probes the fit put 0.5 s in Redis's latency and
+    estimated 8 chunks at 0.75 s, against 4.2 s measured)."""
+    costs = measured({}, probe_s=30.0)
+    for _ in range(3):  # the first loads: whole contexts of 8 chunks at 2 MB/s (485 tokens/s)
+        costs.observe_load(LoadSample("redis", 8 * CHUNK, 8 * CHUNK * 4096, 8 * CHUNK / 485), 1.0)
+    now = 1.0
+    for _ in range(2):
+        now += 31.0
+        assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=now).probe == ("redis", 0)
+        costs.observe_load(LoadSample("redis", CHUNK, CHUNK * 4096, 0.002 + CHUNK / 485), now + 0.5)
+    assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=now + 1.0).end == 0
+    assert costs.tiers["redis"].seconds_for(8 * CHUNK) >= 0.8 * 8 * CHUNK / 485
+
+
 def test_a_probe_of_a_hit_that_cannot_be_cut_loads_nothing():
     costs = measured({"redis": (0.05, 2e-4)}, probe_s=30.0)
     cut = costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=31.0, partial=False)

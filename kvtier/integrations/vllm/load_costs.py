@@ -77,8 +77,10 @@ HUBER_K, TUKEY_C = 1.345, 4.685
 #: The least relative noise a fit assumes: timings closer than this to it are never outliers.
 MIN_NOISE = 0.02
 #: Ridge on the (scaled) coefficients, relative to the samples' weight: where the samples cannot
-#: tell features apart (prompts of one length), the fit splits the time the way of least norm.
-RIDGE = 1e-4
+#: tell features apart at all (prompts of one length), the fit splits the time the way of least
+#: norm. Tiny: the samples before a gap weigh little, yet they are what tells a one-chunk probe's
+#: latency from its rate (at 1e-4, a slow tier probed twice looked fast for long hits).
+RIDGE = 1e-9
 #: The prefill's ridge on its constant (a step's overhead), relative to its weight: the overhead
 #: explains only what tokens and positions cannot. Samples that do not tell them apart (a pause in
 #: one short step among steps of one length; only short steps, the questions after hits) would
