@@ -3,12 +3,18 @@ measure, and a hit is cut where computing the rest is faster than loading it."""
 
 from __future__ import annotations
 
+import logging
+import math
+import random
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.common import KvtierWorkerMetadata, LoadSample
 from kvtier.integrations.vllm.config import parse_extra_config
-from kvtier.integrations.vllm.load_costs import DecayingFit, LoadOrRecompute
+from kvtier.integrations.vllm.load_costs import RobustFit, LoadOrRecompute
 
 CHUNK = 256
 #: the engine's prefill: 2 ms a step, 20 us a token, 2 ns per token of context it attends to
@@ -23,6 +29,7 @@ def measured(tiers: dict[str, tuple[float, float]], now: float = 0.0, probe_s: f
     """Estimates fed with prefill steps of several lengths and loads of each tier
     (``tiers``: name -> (latency s, s per token))."""
     costs = LoadOrRecompute(half_life_s=60.0, probe_s=probe_s)
+    costs.observe_step(1024, 1024 * 1023 // 2, 2.0, now)  # the engine's first step: its warm-up, left out
     for start, n in [(0, 4096), (4096, 4096), (0, 1024), (8192, 256), (0, 16384), (2048, 512)]:
         position_sum = n * start + n * (n - 1) // 2
         costs.observe_step(n, position_sum, step_seconds(n, position_sum), now)
@@ -34,7 +41,7 @@ def measured(tiers: dict[str, tuple[float, float]], now: float = 0.0, probe_s: f
 
 
 def test_fit_recovers_latency_and_rate():
-    fit = DecayingFit((1.0, 1024.0), half_life_s=60.0, gap_s=30.0)
+    fit = RobustFit((1.0, 1024.0), half_life_s=60.0, gap_s=30.0)
     for tokens in (256, 1024, 4096, 512):
         fit.add((1.0, tokens), 0.004 + 2e-6 * tokens, now=0.0)
     latency, per_token = fit.coefficients()
@@ -42,16 +49,16 @@ def test_fit_recovers_latency_and_rate():
 
 
 def test_fit_never_answers_a_negative_cost():
-    fit = DecayingFit((1.0, 1024.0), half_life_s=60.0, gap_s=30.0)
+    fit = RobustFit((1.0, 1024.0), half_life_s=60.0, gap_s=30.0)
     for tokens, seconds in [(256, 0.010), (4096, 0.001), (1024, 0.006)]:  # bigger reads faster: noise
         fit.add((1.0, tokens), seconds, now=0.0)
-    assert (fit.coefficients() >= 0).all()
+    assert min(fit.coefficients()) >= 0
 
 
 def test_prefill_estimate_grows_with_position():
     costs = measured({})
     early, late = costs.compute_seconds(0, CHUNK), costs.compute_seconds(16384, 16384 + CHUNK)
-    assert early == pytest.approx(PER_TOKEN * CHUNK + PER_POSITION * CHUNK * (CHUNK - 1) / 2, rel=1e-3)
+    assert early == pytest.approx(PER_TOKEN * CHUNK + PER_POSITION * CHUNK * (CHUNK - 1) / 2, rel=5e-3)  # the ridge (RIDGE)
     assert late > early * 2
 
 
@@ -126,6 +133,23 @@ def test_skipped_tier_is_probed_beside_the_request_and_used_again_once_fast():
     assert after.end == 0 and after.probe is None
 
 
+def test_a_slow_tier_probed_twice_stays_skipped_for_long_hits():
+    """Probes read one chunk, and after each gap the samples before it weigh a tenth together:
+    the probe of a tier still slow must not turn into an estimate that a long hit reads at the
+    chunk's speed (bench slow-remote: after two probes the fit put 0.5 s in Redis's latency and
+    estimated 8 chunks at 0.75 s, against 4.2 s measured)."""
+    costs = measured({}, probe_s=30.0)
+    for _ in range(3):  # the first loads: whole contexts of 8 chunks at 2 MB/s (485 tokens/s)
+        costs.observe_load(LoadSample("redis", 8 * CHUNK, 8 * CHUNK * 4096, 8 * CHUNK / 485), 1.0)
+    now = 1.0
+    for _ in range(2):
+        now += 31.0
+        assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=now).probe == ("redis", 0)
+        costs.observe_load(LoadSample("redis", CHUNK, CHUNK * 4096, 0.002 + CHUNK / 485), now + 0.5)
+    assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=now + 1.0).end == 0
+    assert costs.tiers["redis"].seconds_for(8 * CHUNK) >= 0.8 * 8 * CHUNK / 485
+
+
 def test_a_probe_of_a_hit_that_cannot_be_cut_loads_nothing():
     costs = measured({"redis": (0.05, 2e-4)}, probe_s=30.0)
     cut = costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=31.0, partial=False)
@@ -146,3 +170,160 @@ def test_connector_keys():
     assert config.load_or_recompute is False and config.load_probe_s == 5
     with pytest.raises(ConfigError, match="load_probe_s"):
         parse_extra_config({"kvtier.load_probe_s": 0})
+
+
+# -- adversarial samples: no sequence of them makes a fast tier look slower than computing -----------
+
+#: the true prefill of these scenarios (about the issue's: 4112 tokens in about 0.4 s)
+TRUE_OVERHEAD, TRUE_PER_TOKEN, TRUE_PER_POSITION = 0.010, 80e-6, 5e-9
+
+
+def positions(start: int, n: int) -> int:
+    return n * start + n * (n - 1) // 2
+
+
+def true_step(tokens: int, start: int, slower: float = 1.0) -> float:
+    return slower * (TRUE_OVERHEAD + TRUE_PER_TOKEN * tokens + TRUE_PER_POSITION * positions(start, tokens))
+
+
+def warm_up_then_one_length(rng):
+    """Issue 26: the engine's first step (its warm-up) 2.18 s for 1040 tokens, then 13 steps of
+    4112 tokens at 0.40-0.65 s."""
+    return [(1040, 0, 2.18)] + [(4112, 0, rng.uniform(0.40, 0.65)) for _ in range(13)], 1.0
+
+
+def one_length(rng):
+    """Prompts of one length (a context of 4096 and a question of 16 tokens: every step's features
+    the same, 5% noise) and one pause, in a step of another length: samples that cannot tell a
+    step's overhead from its tokens' cost, and one that says shorter steps cost more."""
+    steps = [(4112, 0, true_step(4112, 0))] + [(4112, 0, true_step(4112, 0) * rng.lognormvariate(0, 0.05)) for _ in range(10)]
+    steps.append((1040, 0, 0.45))
+    return steps + [(4112, 0, true_step(4112, 0) * rng.lognormvariate(0, 0.05)) for _ in range(10)], 1.0
+
+
+def questions_only(rng):
+    """An engine whose prefills are all questions after hits (16 tokens after a 4096-token
+    context, 10% noise): every step is mostly overhead, and all alike."""
+    return [(16, 4096, true_step(16, 4096) * rng.lognormvariate(0, 0.1)) for _ in range(21)], 1.0
+
+
+def noisy(rng):
+    """A cold engine: its warm-up, then twelve steps of several lengths, 20% noise, and two
+    questions slowed five times (pauses)."""
+    steps = [(1024, 0, true_step(1024, 0) * 20)]
+    paused = set(rng.sample(range(12), 2))
+    for i in range(12):
+        n, start = rng.choice([(16, 4096), (16, 4096), (512, 0), (2048, 0), (4112, 0), (2048, 2048)])
+        slow = 5.0 if i in paused and n == 16 else 1.0
+        steps.append((n, start, true_step(n, start) * rng.lognormvariate(0, 0.2) * slow))
+    return steps, 1.0
+
+
+def drifting(rng):
+    """200 steps, then the machine gets busy (other processes): the prefill takes three times as
+    long from then on."""
+    steps = [(n, 0, true_step(n, 0) * rng.lognormvariate(0, 0.05)) for n in [1024] + [rng.choice([1024, 2048, 4112]) for _ in range(199)]]
+    steps += [(n, 0, true_step(n, 0, 3.0) * rng.lognormvariate(0, 0.05)) for n in [rng.choice([1024, 2048, 4112]) for _ in range(40)]]
+    return steps, 3.0
+
+
+@pytest.mark.parametrize("scenario", [warm_up_then_one_length, one_length, questions_only, noisy, drifting])
+@pytest.mark.parametrize("seed", range(10))
+def test_adversarial_prefill_samples_never_cut_a_fast_tier_and_still_cut_a_slow_one(scenario, seed):
+    """Whatever the prefill's samples, a tier faster than computing loads: memory (the issue's
+    257 M tokens/s) and a disk three times faster than the prefill (not ten: the fits decide it,
+    not the safety rule); a Redis tier at 485 tokens/s (2 MB/s) is still computed instead."""
+    rng = random.Random(f"{scenario.__name__}-{seed}")
+    steps, slower = scenario(rng)
+    costs = LoadOrRecompute(half_life_s=60.0, probe_s=3600.0)
+    for i, (tokens, start, seconds) in enumerate(steps):
+        costs.observe_step(tokens, positions(start, tokens), seconds, now=i * 0.01)
+    now = len(steps) * 0.01
+    per_token = slower * (TRUE_PER_TOKEN + TRUE_PER_POSITION * 2048)  # computing a token of a 4k context
+    for name, latency, seconds_per_token in [("memory", 1e-6, 1 / 257e6), ("disk", 1e-3, per_token / 3), ("redis", 1e-3, 1 / 485)]:
+        for tokens in (4096, 1024, 4096, 2048):
+            costs.observe_load(LoadSample(name, tokens, tokens * 4096, latency + seconds_per_token * tokens), now)
+    for name in ("memory", "disk"):
+        cut = costs.cut([name] * 16, CHUNK, 0, 16 * CHUNK, now=now)
+        assert cut.end == 16 * CHUNK, (name, costs.figures())
+    cut = costs.cut(["memory"] * 4 + ["redis"] * 12, CHUNK, 0, 16 * CHUNK, now=now)
+    assert cut.end == 4 * CHUNK and cut.skipped_chunks == {"redis": 12}, costs.figures()
+    # and the estimate of computing 4096 tokens is within a fifth of the truth (the fits', not
+    # only the decision's: the drift followed)
+    estimate, truth = costs.compute_seconds(0, 4096), true_step(4096, 0, slower) - slower * TRUE_OVERHEAD
+    assert estimate is not None and estimate >= 0.8 * truth, (estimate, truth)
+
+
+# -- the promise, over random cost models ------------------------------------------------------
+
+
+def _log_uniform(data, low: float, high: float) -> float:
+    return 10 ** data.draw(st.floats(math.log10(low), math.log10(high)))
+
+
+def _timings(rng, noise: float, outliers: float) -> float:
+    """A measured time's factor: lognormal noise, and now and then a pause (2-10 times slower)."""
+    return rng.lognormvariate(0, noise) * (rng.uniform(2, 10) if rng.random() < outliers else 1.0)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_the_chosen_cut_never_costs_more_than_loading_everything(data):
+    """Random true costs (a prefill of a * tokens + b * positions + overhead, a tier of latency +
+    tokens / rate, a fast L1 before it or not), measured with noise (up to 10%), pauses (up to one
+    sample in five, 2-10 times slower) and the engine's warm-up (its first step up to 50 times
+    slower), in steps of random lengths or of one length: the cut chosen from those measurements,
+    costed with the TRUE costs, is never more than 5% over loading the whole hit."""
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
+    per_token = _log_uniform(data, 2e-6, 5e-4)  # 2k-500k tokens/s
+    per_position = per_token * _log_uniform(data, 1e-7, 1e-3)
+    overhead = data.draw(st.floats(0.0, 0.05))
+    noise, outliers = data.draw(st.floats(0.0, 0.1)), data.draw(st.floats(0.0, 0.2))
+    latency, read_per_token = _log_uniform(data, 1e-5, 0.2), _log_uniform(data, 3e-9, 5e-3)
+
+    def compute(start: int, end: int) -> float:
+        return per_token * (end - start) + per_position * (positions(0, end) - positions(0, start))
+
+    costs = LoadOrRecompute(half_life_s=60.0, probe_s=3600.0)
+    one_length = data.draw(st.booleans())
+    shapes = [(4096 + 16, 0)] if one_length else [(16, 4096), (16, 1024), (256, 0), (1040, 0), (2048, 2048), (4112, 0), (8192, 0)]
+    steps = data.draw(st.integers(8, 60))
+    for i in range(steps):
+        n, start = rng.choice(shapes)
+        slower = data.draw(st.floats(1.0, 50.0)) if i == 0 else _timings(rng, noise, outliers)
+        costs.observe_step(n, positions(start, n), (overhead + compute(start, start + n)) * slower, now=i * 0.01)
+    now = steps * 0.01
+    sizes = [data.draw(st.integers(1, 16)) * CHUNK] if data.draw(st.booleans()) else [CHUNK * k for k in (1, 2, 4, 8, 16)]
+    for _ in range(data.draw(st.integers(4, 20))):
+        tokens = rng.choice(sizes)
+        costs.observe_load(LoadSample("tier", tokens, tokens, (latency + read_per_token * tokens) * _timings(rng, noise, outliers)), now)
+        costs.observe_load(LoadSample("L1", tokens, tokens, 1e-5 + tokens / 2e8), now)
+
+    chunks = data.draw(st.integers(1, 32))
+    fast = data.draw(st.integers(0, chunks))
+    tiers = ["L1"] * fast + ["tier"] * (chunks - fast)
+    start = data.draw(st.integers(0, chunks - 1)) * CHUNK
+    hit = chunks * CHUNK
+
+    def true_cost(end: int) -> float:
+        loaded = [t for i, t in enumerate(tiers) if start <= i * CHUNK < end]
+        reads = sum((latency if t == "tier" else 1e-5) + loaded.count(t) * CHUNK * (read_per_token if t == "tier" else 1 / 2e8)
+                    for t in set(loaded))
+        return reads + compute(end, hit)
+
+    cut = costs.cut(tiers, CHUNK, start, hit, now=now, partial=data.draw(st.booleans()))
+    assert true_cost(cut.end) <= 1.05 * true_cost(hit) + 1e-9, (cut.end, true_cost(cut.end), true_cost(hit), costs.figures())
+
+
+def test_each_change_of_decision_is_logged_with_the_estimates_and_counted(caplog):
+    costs = measured({"redis": (0.05, 2e-4)})
+    with caplog.at_level(logging.INFO, logger="vllm.kvtier.integrations.vllm.load_costs"):
+        assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=1.0).end == 0
+        assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=1.0).end == 0  # no change: no line
+        for _ in range(3):  # redis got fast (probes, after a gap, say so)
+            costs.observe_load(LoadSample("redis", CHUNK, CHUNK * 1024, 1e-4 + 1e-8 * CHUNK), 40.0)
+        assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=40.0).end == 8 * CHUNK
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and costs.decision_changes == 2, lines
+    assert lines[0].startswith("kvtier: skipping tier redis: {") and lines[1].startswith("kvtier: loading from tier redis: {")
+    assert all("'tokens_per_s'" in line and "prefill: {'overhead_ms'" in line and "'us_per_token'" in line for line in lines)

@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.integrations.vllm.common import LoadSample
+from kvtier.integrations.vllm.load_costs import LoadOrRecompute
 from kvtier.integrations.vllm.metrics import FIGURES, PREFIX, Interval, KvtierPromMetrics, build_stats, totals
 from kvtier.integrations.vllm.scheduler import tokens_by_tier
 from kvtier_testing.engine_process import kvtier_transfer_config
@@ -96,6 +98,49 @@ def test_prometheus_counters_per_engine_and_tier():
     assert samples[("hit_tokens", ("1", "m", "disk-0"))] == 128
     assert samples[("load_bytes", ("1", "m"))] == 4096
     assert samples[("dropped_saves", ("0", "m"))] == 0  # present from the start
+
+
+def test_load_or_recompute_estimates_are_gauges_of_their_newest_value():
+    """The estimates travel when they change, as values (not what they gained), the newest
+    winning where stats meet; vLLM's /metrics shows them as gauges."""
+    interval = Interval()
+    estimates = {"prefill_us_per_token": 90.0, "prefill_tokens_per_s": None, "tier_tokens_per_s": {"memory": 10**8},
+                 "load_decision_changes": 1}
+    assert interval.take(totals(estimates)).data == {"prefill_us_per_token": 90.0, "tier_tokens_per_second": {"memory": 10**8},
+                                                     "load_decision_changes": 1}
+    assert interval.take(totals(estimates)) is None
+    later = {**estimates, "prefill_tokens_per_s": 8000, "tier_tokens_per_s": {"memory": 10**8, "redis": 485},
+             "load_decision_changes": 3}
+    assert interval.take(totals(later)).data == {"prefill_tokens_per_second": 8000, "tier_tokens_per_second": {"redis": 485},
+                                                 "load_decision_changes": 2}
+    # as the estimates give them, they survive vLLM's engine-to-front-end serialization
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    costs = LoadOrRecompute(half_life_s=60.0, probe_s=30.0)
+    for i, tokens in enumerate([1024, 4096, 2048, 4096, 512]):
+        costs.observe_step(tokens, tokens * (tokens - 1) // 2, 0.01 + 1e-4 * tokens, now=i)
+        costs.observe_load(LoadSample("memory", tokens, tokens * 4096, 1e-5 + tokens / 2e8), now=i)
+    data = Interval().take(totals(costs.gauges())).to_dict()
+    assert set(data) == {"prefill_us_per_token", "prefill_tokens_per_second", "tier_tokens_per_second"}
+    [decoded] = [MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(SchedulerStats(kv_connector_stats=data)))]
+    assert decoded.kv_connector_stats == data
+    merged = build_stats({"prefill_us_per_token": 90.0, "load_decision_changes": 1}).aggregate(
+        build_stats({"prefill_us_per_token": 80.0, "load_decision_changes": 1}))
+    assert merged.data == {"prefill_us_per_token": 80.0, "load_decision_changes": 2}
+
+    registry = CollectorRegistry()
+    types = {kind: (lambda kind: lambda **kw: kind(registry=registry, **kw))(kind) for kind in (PromCounter, Gauge, Histogram)}
+    from vllm.config import VllmConfig
+
+    metrics = KvtierPromMetrics(VllmConfig(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    metrics.observe({"prefill_us_per_token": 90.0, "tier_tokens_per_second": {"redis": 485}, "load_decision_changes": 1})
+    metrics.observe({"prefill_us_per_token": 80.0, "load_decision_changes": 1})
+    shown = {(s.name, s.labels.get("tier")): s.value for family in text_string_to_metric_families(generate_latest(registry).decode())
+             for s in family.samples if s.name.startswith(PREFIX)}
+    assert shown[(PREFIX + "prefill_us_per_token", None)] == 80.0
+    assert shown[(PREFIX + "tier_tokens_per_second", "redis")] == 485
+    assert shown[(PREFIX + "load_decision_changes_total", None)] == 2
 
 
 def _samples(text: str) -> dict:

@@ -1,13 +1,29 @@
-"""Load or recompute: load a hit's chunks from a tier only where that is faster than computing them.
+"""Load or recompute: load a hit's chunks from a tier only where that is clearly faster than computing them.
 
 A hit is a prefix, so the decision is where to cut it: the scheduler loads the chunks before the
 cut and vLLM computes the rest. The cut minimizes the estimated time
 
     load(first .. cut)   per tier used: latency + tokens / rate      (the workers' own retrieves)
-    + compute(cut .. hit)   a * tokens + b * (sum of the tokens' positions)   (vLLM's own steps)
+    + COMPUTE_MARGIN * compute(cut .. hit)   a * tokens + b * (sum of the tokens' positions)
 
-ties going to the load. Both estimates are least-squares fits whose samples lose half their weight
-every ``half_life_s`` seconds, so they follow a tier (or the machine) whose speed changes:
+ties going to the load. Loading everything is the baseline the decision must never lose to, and
+a wrong estimate is how it would (issue 26: a warm-up step put a fit's whole cost in its overhead,
+computing looked free, and an L1 hit was recomputed), so every doubt resolves to loading:
+
+- computing is charged ``COMPUTE_MARGIN`` times its estimate, so estimates off by up to a tenth
+  (noise, drift not followed yet) do not cut where loading is faster;
+- a prefill estimate without a positive cost per token (nor per position) is no measurement:
+  load;
+- a tier whose measured rate is ``SAFE_RATIO`` times the prefill's or more is never cut, whatever
+  the fits say (in a hit that loads only whole: when such tiers hold all of it). Both rates are
+  medians of the samples' own tokens per second (``RobustFit.rate``), not the fits', which
+  outliers and prompts of one length are what break;
+- no figure yet means load (a tier never measured, an engine with fewer than ``MIN_SAMPLES``
+  prefill steps after its first).
+
+Both estimates are robust fits (``RobustFit``) over the last ``MAX_SAMPLES`` samples, whose
+weight halves every ``half_life_s`` seconds and every ``HALF_LIFE_SAMPLES`` newer samples, so
+they follow a tier (or the machine) whose speed changes:
 
 - a tier's: one sample per load job and tier, (tokens, seconds of retrieve), measured in the
   workers (``common.LoadSample``);
@@ -15,11 +31,11 @@ every ``half_life_s`` seconds, so they follow a tier (or the machine) whose spee
   scheduled), the step's tokens and position sum against its wall time, from the scheduler's
   ``build_connector_meta`` to the step's output (minus the loads the workers ran in it): the
   attention part of a token's cost grows with its position, so a late chunk costs more to compute
-  than an early one.
+  than an early one. The engine's first such step is left out: it carries vLLM's one-time
+  warm-up (2.18 s for 1040 tokens, where later steps of 4112 took 0.4-0.65 s).
 
-No figure yet means load (a tier never measured, an engine that has not prefilled yet). A tier
-skipped whose last sample is older than ``probe_s`` is probed: the request still computes past
-the cut, and the cut names the chunk there (``Cut.probe``) for a worker to read beside the
+A tier skipped whose last sample is older than ``probe_s`` is probed: the request still computes
+past the cut, and the cut names the chunk there (``Cut.probe``) for a worker to read beside the
 engine, copied nowhere and timed like a load (loader.py), so a tier that became fast is used
 again (the probe's sample outweighs the older ones ten to one) and no request waits on a slow
 one. One probe per tier is in flight at a time (until a sample of the tier comes, or
@@ -28,6 +44,7 @@ one. One probe per tier is in flight at a time (until a sample of the tier comes
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -37,83 +54,194 @@ import numpy as np
 
 from kvtier.integrations.vllm.common import LoadSample
 
+log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
+
 #: Samples before a fit is trusted.
 MIN_SAMPLES = 3
+#: Samples a fit keeps (the newest): enough for medians to ignore a burst of outliers, few enough
+#: to refit in well under a millisecond.
+MAX_SAMPLES = 64
+#: A sample's weight also halves with every this many newer samples: a busy engine (a step every
+#: few milliseconds) follows a change of speed within a few dozen steps, not a half-life of seconds.
+HALF_LIFE_SAMPLES = 16
 #: What the samples before a gap weigh together against the one after it (a probe): the probe
 #: says how the tier is now.
 GAP_WEIGHT = 0.1
+#: Computing a chunk is charged this many times its estimate (see the module's docstring).
+COMPUTE_MARGIN = 1.25
+#: A tier this many times faster than the prefill (measured rates) is never cut.
+SAFE_RATIO = 10.0
+#: Huber's and Tukey's tuning constants (95% efficiency on Gaussian noise), in units of the
+#: residuals' robust scale.
+HUBER_K, TUKEY_C = 1.345, 4.685
+#: The least relative noise a fit assumes: timings closer than this to it are never outliers.
+MIN_NOISE = 0.02
+#: Ridge on the (scaled) coefficients, relative to the samples' weight: where the samples cannot
+#: tell features apart at all (prompts of one length), the fit splits the time the way of least
+#: norm. Tiny: the samples before a gap weigh little, yet they are what tells a one-chunk probe's
+#: latency from its rate (at 1e-4, a slow tier probed twice looked fast for long hits).
+RIDGE = 1e-9
+#: The prefill's ridge on its constant (a step's overhead), relative to its weight: the overhead
+#: explains only what tokens and positions cannot. Samples that do not tell them apart (a pause in
+#: one short step among steps of one length; only short steps, the questions after hits) would
+#: otherwise put the time in the overhead, which no chunk is charged: computing would look free.
+#: Shrinking it errs the other way, toward computing looking dear, which loads.
+OVERHEAD_RIDGE = 0.01
+#: Reweighting rounds per stage (Huber, then Tukey), at most; a fit converges in a few, fewer
+#: from the last fit (a sample further).
+ROUNDS = 20
+#: Where a reweighting round has converged: no coefficient moved more than this, relatively.
+CONVERGED = 1e-4
 
 
-class DecayingFit:
-    """Least squares ``y ~ x . coef`` (coefficients >= 0) over samples whose weight halves every
-    ``half_life_s`` seconds; after a gap of more than ``gap_s``, the samples before it weigh
-    ``GAP_WEIGHT`` together."""
+class RobustFit:
+    """``y ~ x . coef`` (coefficients >= 0; ``x[0]`` the constant 1) over the newest
+    ``MAX_SAMPLES`` samples, each weighing half as much every ``half_life_s`` seconds and every
+    ``HALF_LIFE_SAMPLES`` newer samples (after a gap of more than ``gap_s``, the samples before
+    it weigh ``GAP_WEIGHT`` together).
 
-    def __init__(self, scale: Sequence[float], half_life_s: float, gap_s: float) -> None:
-        features = len(scale)
+    Robust to what timings do: the residuals are relative (a step's noise grows with its time, so
+    short steps do not make long ones look like outliers), and the samples are reweighted by them
+    (iteratively reweighted least squares: Huber's weights, then Tukey's bisquare, over the
+    residuals' median absolute deviation), so a step slowed by a pause or a warm-up stops counting
+    once the others disagree with it. Hand-written on numpy: scipy is not a dependency, and its
+    robust least squares (``least_squares(loss=...)``) has no redescending loss like Tukey's nor
+    the decay weights."""
+
+    def __init__(self, scale: Sequence[float], half_life_s: float, gap_s: float, constant_ridge: float = 0.0) -> None:
+        self.constant_ridge = constant_ridge  # ridge on the constant (feature 0), relative to its weight
         self._scale = np.asarray(scale, dtype=float)  # features are fitted divided by it: conditioning
         self.half_life_s = half_life_s
         self.gap_s = gap_s
         self.samples = 0
-        self.weight = 0.0
         self.last = -math.inf  # when the last sample came
-        self._xx = np.zeros((features, features))
-        self._xy = np.zeros(features)
-        self._coef: np.ndarray | None = None
+        self._x = np.zeros((0, len(scale)))
+        self._y = np.zeros(0)
+        self._w = np.zeros(0)  # each sample's decay weight as of the last one
+        self._coef: list[float] | None = None
+        self._rate: float | None = None
+        self._start: np.ndarray | None = None  # the last fit (scaled): where the next one starts
+
+    @property
+    def weight(self) -> float:
+        return float(self._w.sum())
 
     def add(self, x: Sequence[float], y: float, now: float) -> None:
         decay = self.decay(now)
-        vector = np.asarray(x, dtype=float) / self._scale
-        self._xx = self._xx * decay + np.outer(vector, vector)
-        self._xy = self._xy * decay + vector * y
-        self.weight = self.weight * decay + 1.0
+        keep = MAX_SAMPLES - 1
+        self._x = np.vstack([self._x[-keep:], np.asarray(x, dtype=float)])
+        self._y = np.append(self._y[-keep:], max(float(y), 0.0))
+        self._w = np.append(self._w[-keep:] * decay, 1.0)
         self.samples += 1
         self.last = now
-        self._coef = None
+        self._coef = self._rate = None
 
     def decay(self, now: float) -> float:
         """The factor the weight of the samples so far takes when one comes at ``now``."""
-        if not self.weight:
+        weight = self.weight
+        if not weight:
             return 0.0
-        decay = 0.5 ** ((now - self.last) / self.half_life_s)
-        return min(decay, GAP_WEIGHT / self.weight) if now - self.last > self.gap_s else decay
+        decay = 0.5 ** ((now - self.last) / self.half_life_s + 1 / HALF_LIFE_SAMPLES)
+        return min(decay, GAP_WEIGHT / weight) if now - self.last > self.gap_s else decay
 
-    def coefficients(self) -> np.ndarray | None:
-        """The fit, or None with too few samples. A feature whose coefficient comes out negative
-        is dropped and the rest refitted (a few features: a small active set)."""
+    def coefficients(self) -> list[float] | None:
+        """The fit, or None with too few samples (Python floats: figures travel through msgpack)."""
         if self.samples < MIN_SAMPLES:
             return None
         if self._coef is None:
-            active = list(range(len(self._xy)))
-            coef = np.zeros(len(self._xy))
-            while active:
-                sub = np.ix_(active, active)
-                solved = np.linalg.lstsq(self._xx[sub], self._xy[active], rcond=None)[0]
-                if (solved >= 0).all():
-                    coef[active] = solved
-                    break
-                active.pop(int(np.argmin(solved)))
-            self._coef = coef / self._scale
+            self._coef = (self._robust_fit() / self._scale).tolist()
         return self._coef
+
+    def rate(self, feature: int) -> float | None:
+        """The samples' median of ``x[feature] / y`` (tokens per second), each weighing its
+        weight times ``x[feature]``: what the fits' outliers or collinear samples cannot move."""
+        if self.samples < MIN_SAMPLES:
+            return None
+        if self._rate is None:
+            amount = self._x[:, feature]
+            self._rate = _weighted_median(amount / np.maximum(self._y, 1e-9), self._w * amount)
+        return self._rate
+
+    def _robust_fit(self) -> np.ndarray:
+        x = self._x / self._scale
+        y, w = self._y, self._w
+        floor = max(1e-3 * _weighted_median(y, w), 1e-12)  # no sample weighs more than 1/floor^2
+        coef, stages = self._start, ((TUKEY_C, _bisquare),)  # from the last fit: one sample further
+        if coef is None or self.samples % HALF_LIFE_SAMPLES == 0 or not (x @ coef > 0).any():
+            # from scratch now and then: Huber's weights (convex: one optimum) find the bulk of
+            # the samples, from which Tukey's cannot go astray
+            coef = _nonnegative_least_squares(x, y, w / np.maximum(y, floor) ** 2, self.constant_ridge)
+            stages = ((HUBER_K, _huber), (TUKEY_C, _bisquare))
+        for tuning, weigh in stages:
+            for _ in range(ROUNDS):
+                fitted = np.maximum(x @ coef, floor)
+                residual = (y - fitted) / fitted
+                spread = max(_weighted_median(np.abs(residual), w) / 0.6745, MIN_NOISE)
+                refit = _nonnegative_least_squares(x, y, w * weigh(residual / (tuning * spread)) / fitted**2,
+                                                   self.constant_ridge)
+                moved = np.abs(refit - coef).max() / max(np.abs(refit).max(), 1e-300)
+                coef = refit
+                if moved < CONVERGED:
+                    break
+        self._start = coef
+        return coef
+
+
+def _huber(u: np.ndarray) -> np.ndarray:
+    return 1.0 / np.maximum(np.abs(u), 1.0)
+
+
+def _bisquare(u: np.ndarray) -> np.ndarray:
+    return np.where(np.abs(u) < 1.0, (1.0 - u**2) ** 2, 0.0)
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
+
+
+def _nonnegative_least_squares(x: np.ndarray, y: np.ndarray, w: np.ndarray, constant_ridge: float) -> np.ndarray:
+    """Weighted least squares with ridges (``RIDGE``; ``constant_ridge`` more on feature 0, the
+    constant); a feature whose coefficient comes out negative is dropped and the rest refitted
+    (a few features: a small active set)."""
+    gram = x.T @ (x * w[:, None])
+    moment = x.T @ (w * y)
+    ridge = np.full(len(moment), RIDGE * np.trace(gram) / len(moment) + 1e-300)
+    ridge[0] += constant_ridge * gram[0, 0]
+    active = list(range(len(moment)))
+    coef = np.zeros(len(moment))
+    while active:
+        sub = np.ix_(active, active) if len(active) < len(moment) else slice(None)
+        solved = np.linalg.solve(gram[sub] + np.diag(ridge[active]), moment[active])
+        if (solved >= 0).all():
+            coef[active] = solved
+            break
+        active.pop(int(np.argmin(solved)))
+    return coef
 
 
 @dataclass
 class TierCost:
-    """A tier's read cost: seconds = latency + tokens / rate, per retrieve of a run of chunks."""
+    """A tier's read cost: seconds = latency + tokens / rate, per retrieve of a run of chunks, or
+    tokens over its measured rate (``RobustFit.rate``, latency included) where that is less: loads
+    of one size do not tell latency from rate, and the lower guess errs toward loading."""
 
-    fit: DecayingFit
+    fit: RobustFit
     bytes: float = 0.0  # decayed totals, for the bandwidth shown (not used by the decision)
     seconds: float = 0.0
 
     def seconds_for(self, tokens: int) -> float | None:
-        coef = self.fit.coefficients()
-        return None if coef is None else float(coef[0] + coef[1] * tokens)
+        coef, rate = self.fit.coefficients(), self.fit.rate(1)
+        return None if coef is None else min(float(coef[0] + coef[1] * tokens), tokens / rate if rate else math.inf)
 
     def figures(self) -> dict:
         coef = self.fit.coefficients()
+        rate = self.fit.rate(1)
         return {
             "latency_ms": None if coef is None else round(coef[0] * 1e3, 3),
             "tokens_per_s": None if coef is None or coef[1] <= 0 else round(1 / coef[1]),
+            "measured_tokens_per_s": None if rate is None else round(rate),
             "bytes_per_s": round(self.bytes / self.seconds) if self.seconds > 0 else None,
             "weight": round(self.fit.weight, 2),
         }
@@ -141,7 +269,10 @@ class LoadOrRecompute:
         self.tiers: dict[str, TierCost] = {}
         self._probing: dict[str, float] = {}  # tier -> when its probe in flight was asked for
         # step seconds ~ overhead + a * tokens + b * position sum
-        self.prefill = DecayingFit((1.0, 1024.0, 2.0**20), half_life_s, math.inf)
+        self.prefill = RobustFit((1.0, 1024.0, 2.0**20), half_life_s, math.inf, OVERHEAD_RIDGE)
+        self._warmed_up = False  # the engine's first prefill step seen (and left out)
+        self._skipped: set[str] = set()  # tiers the last decision on them skipped
+        self.decision_changes = 0  # times a tier started or stopped being skipped
 
     # -- measurements --------------------------------------------------------------------------
 
@@ -149,31 +280,45 @@ class LoadOrRecompute:
         self._probing.pop(sample.tier, None)
         tier = self.tiers.get(sample.tier)
         if tier is None:
-            tier = self.tiers[sample.tier] = TierCost(DecayingFit((1.0, 1024.0), self.half_life_s, self.probe_s))
+            tier = self.tiers[sample.tier] = TierCost(RobustFit((1.0, 1024.0), self.half_life_s, self.probe_s))
         decay = tier.fit.decay(now)
         tier.bytes = tier.bytes * decay + sample.bytes
         tier.seconds = tier.seconds * decay + sample.seconds
         tier.fit.add((1.0, sample.tokens), sample.seconds, now)
 
     def observe_step(self, tokens: int, position_sum: int, seconds: float, now: float) -> None:
-        """A prefill step: ``tokens`` computed, ``position_sum`` the sum of their positions."""
-        self.prefill.add((1.0, tokens, position_sum), max(0.0, seconds), now)
+        """A prefill step: ``tokens`` computed, ``position_sum`` the sum of their positions. The
+        engine's first is left out (vLLM's warm-up)."""
+        if not self._warmed_up:
+            self._warmed_up = True
+            return
+        self.prefill.add((1.0, tokens, position_sum), seconds, now)
 
     # -- estimates -----------------------------------------------------------------------------
 
     def compute_seconds(self, start: int, end: int) -> float | None:
         """Estimated time vLLM takes to compute tokens [start, end) of a prompt within a step
-        that runs anyway (its overhead not counted); None: not measured yet."""
+        that runs anyway (its overhead not counted); None: not measured yet, or measured as free
+        (no positive cost per token or per position: not a measurement)."""
         coef = self.prefill.coefficients()
-        if coef is None:
+        if coef is None or max(coef[1:]) <= 0:
             return None
         return float(coef[1] * (end - start) + coef[2] * (end * (end - 1) - start * (start - 1)) / 2)
 
+    def never_cut(self, tier: str) -> bool:
+        """Whether the tier's measured rate is ``SAFE_RATIO`` times the prefill's or more."""
+        cost = self.tiers.get(tier)
+        rate, prefill = cost.fit.rate(1) if cost is not None else None, self.prefill.rate(1)
+        return rate is not None and prefill is not None and rate >= SAFE_RATIO * prefill
+
     def cut(self, tiers: Sequence[str], chunk: int, start: int, hit: int, now: float, partial: bool = True) -> Cut:
         """Where to cut a hit of ``hit`` tokens whose chunk i (from token 0) is held by
-        ``tiers[i]``, vLLM holding the first ``start`` tokens: the end minimizing load + compute.
+        ``tiers[i]``, vLLM holding the first ``start`` tokens: the end minimizing load + compute
+        (computing charged ``COMPUTE_MARGIN`` times), never before a chunk of a tier ``never_cut``.
         ``partial=False``: only all (``hit``) or nothing (``start``) can be loaded (models whose
-        groups can be restored only at some ends, engines that load whole prompts only)."""
+        groups can be restored only at some ends, engines that load whole prompts only); all is
+        then loaded if every tier of the hit is ``never_cut``, else as the estimates say (a fast
+        tier's prefix does not force a slow tier's rest to load)."""
         if hit <= start:
             return Cut(hit)
         ends = list(range((start // chunk + 1) * chunk, hit, chunk)) + [hit]
@@ -184,14 +329,16 @@ class LoadOrRecompute:
             loading[tier] = loading.get(tier, 0) + (e - s)
             candidates.append((e, self._load_seconds(loading), self.compute_seconds(e, hit)))
         compute_all = self.compute_seconds(start, hit)
+        kept = {tier for tier in set(chunk_tiers) if self.never_cut(tier)}
+        least = max((e for e, tier in zip(ends, chunk_tiers) if tier in kept), default=start)
         if compute_all is None or any(load is None for _, load, _ in candidates):
             best = hit  # no figure yet: load
         elif partial:
-            best_cost = compute_all
+            best_cost = COMPUTE_MARGIN * compute_all if least == start else math.inf
             for e, load, rest in candidates:
-                if load + rest <= best_cost:
-                    best, best_cost = e, load + rest
-        elif candidates[-1][1] <= compute_all:
+                if e >= least and load + COMPUTE_MARGIN * rest <= best_cost:
+                    best, best_cost = e, load + COMPUTE_MARGIN * rest
+        elif kept >= set(chunk_tiers) or candidates[-1][1] <= COMPUTE_MARGIN * compute_all:
             best = hit
         result = Cut(best)
         if best < hit:
@@ -205,7 +352,20 @@ class LoadOrRecompute:
             if s >= best:
                 result.skipped_tokens[tier] += e - s
                 result.skipped_chunks[tier] += 1
+        self._note_changes(set(chunk_tiers), set(result.skipped_tokens))
         return result
+
+    def _note_changes(self, decided: set[str], skipped: set[str]) -> None:
+        """Log each tier that starts or stops being skipped, with the estimates, and count it."""
+        changed = skipped ^ (self._skipped & decided)
+        if not changed:
+            return
+        figures = self.figures()
+        for tier in sorted(changed):
+            log.info("kvtier: %s tier %s: %s; prefill: %s", "skipping" if tier in skipped else "loading from", tier,
+                     figures["tiers"].get(tier), figures["prefill"])
+        self.decision_changes += len(changed)
+        self._skipped = (self._skipped - decided) | skipped
 
     def _last_sample(self, tier: str) -> float:
         cost = self.tiers.get(tier)
@@ -221,13 +381,28 @@ class LoadOrRecompute:
             total += seconds
         return total
 
+    def gauges(self) -> dict:
+        """What vLLM's /metrics shows of the estimates (``SchedulerStats`` fields, metrics.py):
+        the prefill's cost a token, its and each tier's measured rate, and the changes of decision."""
+        figures = self.figures()
+        prefill = figures["prefill"] or {}
+        return {
+            "prefill_us_per_token": prefill.get("us_per_token"),
+            "prefill_tokens_per_s": prefill.get("measured_tokens_per_s"),
+            "tier_tokens_per_s": {tier: f["measured_tokens_per_s"] for tier, f in figures["tiers"].items()
+                                  if f["measured_tokens_per_s"] is not None},
+            "load_decision_changes": self.decision_changes,
+        }
+
     def figures(self) -> dict:
         """The estimates, for tests, benchmarks and the log."""
         coef = self.prefill.coefficients()
+        rate = self.prefill.rate(1)
         return {
-            "tiers": {name: cost.figures() for name, cost in self.tiers.items()},
+            "tiers": {name: {**cost.figures(), "never_cut": self.never_cut(name)} for name, cost in self.tiers.items()},
             "prefill": None if coef is None else {
                 "overhead_ms": round(coef[0] * 1e3, 3), "us_per_token": round(coef[1] * 1e6, 3),
-                "ns_per_token_position": round(coef[2] * 1e9, 4), "weight": round(self.prefill.weight, 2),
+                "ns_per_token_position": round(coef[2] * 1e9, 4), "measured_tokens_per_s": round(rate),
+                "weight": round(self.prefill.weight, 2),
             },
         }

@@ -1,5 +1,5 @@
-"""kvtier's figures in vLLM's own metrics: its ``/metrics`` (``vllm:kvtier_*`` counters) and the
-"KV Transfer metrics" line of its periodic stats log.
+"""kvtier's figures in vLLM's own metrics: its ``/metrics`` (``vllm:kvtier_*`` counters, and
+gauges of load or recompute's estimates) and the "KV Transfer metrics" line of its periodic stats log.
 
 vLLM's path for a connector's figures, which this module fills:
 
@@ -11,7 +11,8 @@ vLLM's path for a connector's figures, which this module fills:
 
 Both sides keep running totals (``SchedulerStats``, ``WorkerStats``; ``totals`` names them as
 figures, and ``KvtierConnector.figures`` returns them); ``Interval`` turns them into what changed
-since the last step, so the totals stay the one source of each figure.
+since the last step, so the totals stay the one source of each figure. A gauge (an estimate, not
+a total) travels when its value changed, as that value, and the newest one wins.
 Worker figures travel only with a step's output: a save that finishes after the engine's last
 step shows at its next step.
 """
@@ -42,14 +43,15 @@ GROUP_LABEL = "group"
 
 @dataclass(frozen=True)
 class Figure:
-    """One counter: its metric name (after ``PREFIX``), the connector stats field it comes from,
-    and the label it is counted by, if any (``TIER_LABEL``, ``GROUP_LABEL``: the field is then a
-    mapping label value -> value)."""
+    """One counter (or gauge): its metric name (after ``PREFIX``), the connector stats field it
+    comes from, and the label it is counted by, if any (``TIER_LABEL``, ``GROUP_LABEL``: the field
+    is then a mapping label value -> value)."""
 
     name: str
     field: str
     documentation: str
     label: str | None = None
+    gauge: bool = False
 
 
 #: Every figure the connector exports, scheduler side first.
@@ -61,6 +63,14 @@ FIGURES = (
     Figure("recomputed_chunks", "recomputed_chunks_by_tier", "Chunks kvtier held but vLLM computed, loading them being"
            " slower (load_or_recompute), by the tier that held them", label=TIER_LABEL),
     Figure("load_probes", "load_probes", "Reads of one chunk of a tier skipped for being slow, beside the engine, to measure it again (load_probe_s)"),
+    Figure("load_decision_changes", "load_decision_changes", "Times load_or_recompute started or stopped skipping a"
+           " tier (each logged with the estimates)"),
+    Figure("prefill_us_per_token", "prefill_us_per_token", "load_or_recompute's estimate of vLLM's prefill:"
+           " microseconds a token, past the per-step overhead and the per-position cost", gauge=True),
+    Figure("prefill_tokens_per_second", "prefill_tokens_per_s", "load_or_recompute's measured prefill rate: the median"
+           " of the prefill steps' tokens per second (a tier 10 times faster is never skipped)", gauge=True),
+    Figure("tier_tokens_per_second", "tier_tokens_per_s", "load_or_recompute's measured read rate of each tier: the"
+           " median of its loads' tokens per second", label=TIER_LABEL, gauge=True),
     Figure("lookups", "lookups", "Prompt lookups kvtier answered"),
     Figure("ignored_request_tenants", "ignored_tenants", "Requests that named their tenant in kv_transfer_params,"
            " ignored (kvtier.trust_request_tenant off): their cache_salt's label is their tenant"),
@@ -112,13 +122,15 @@ class KvtierStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KvtierStats":
+        """Counters add up; a gauge takes ``other``'s (the newer) value."""
         for name, value in other.data.items():
+            gauge = name in GAUGES
             if isinstance(value, Mapping):
                 mine = self.data.setdefault(name, {})
                 for tier, amount in value.items():
-                    mine[tier] = mine.get(tier, 0) + amount
+                    mine[tier] = amount if gauge else mine.get(tier, 0) + amount
             else:
-                self.data[name] = self.data.get(name, 0) + value
+                self.data[name] = value if gauge else self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -136,6 +148,10 @@ class KvtierStats(KVConnectorStats):
         return not self.data
 
 
+#: The names of the figures that are gauges.
+GAUGES = frozenset(figure.name for figure in FIGURES if figure.gauge)
+
+
 def _rounded(value: int | float) -> int | float:
     return round(value, 4) if isinstance(value, float) else value
 
@@ -151,7 +167,8 @@ def totals(counters: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Interval:
-    """What running totals gained since the last ``take``: the figures of one step."""
+    """What running totals gained since the last ``take``: the figures of one step (gauges: their
+    values that changed; None is not measured, and not sent)."""
 
     def __init__(self) -> None:
         self._last: dict[str, Any] = {}
@@ -161,21 +178,26 @@ class Interval:
         data: dict[str, Any] = {}
         for name, now in figures.items():
             last = self._last.get(name)
+            gauge = name in GAUGES
             if isinstance(now, Mapping):
                 last = last or {}
-                gained = {tier: amount - last.get(tier, 0) for tier, amount in now.items() if amount != last.get(tier, 0)}
-            else:
-                gained = now - (last or 0)
-            if gained:
-                data[name] = gained
+                changed = {tier: value if gauge else value - last.get(tier, 0)
+                           for tier, value in now.items() if value != last.get(tier, None if gauge else 0)}
+                if changed:
+                    data[name] = changed
+            elif gauge:
+                if now is not None and now != last:
+                    data[name] = now
+            elif now != (last or 0):
+                data[name] = now - (last or 0)
         self._last = dict(figures)
         return KvtierStats(data=data) if data else None
 
 
 class KvtierPromMetrics(KVConnectorPromMetrics):
-    """One vLLM counter per figure, labelled as vLLM's own (model name, engine), plus ``tier``
-    or ``group`` for figures counted by one. Counters without such a label exist from the start,
-    at zero."""
+    """One vLLM counter (or gauge) per figure, labelled as vLLM's own (model name, engine), plus
+    ``tier`` or ``group`` for figures counted by one. Counters without such a label exist from the
+    start, at zero; gauges once measured."""
 
     def __init__(
         self,
@@ -185,18 +207,17 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            figure.name: self._counter_cls(
-                name=PREFIX + figure.name,
-                documentation=figure.documentation,
-                labelnames=labelnames + ([figure.label] if figure.label else []),
-            )
-            for figure in FIGURES
-        }
+        self._counters = {}
         for figure in FIGURES:
+            metric = dict(name=PREFIX + figure.name, documentation=figure.documentation,
+                          labelnames=labelnames + ([figure.label] if figure.label else []))
+            if figure.gauge:
+                self._counters[figure.name] = self._gauge_cls(**metric, multiprocess_mode="mostrecent")
+                continue
+            counter = self._counters[figure.name] = self._counter_cls(**metric)
             if not figure.label:
                 for labelvalues in per_engine_labelvalues.values():
-                    self._counters[figure.name].labels(*labelvalues)
+                    counter.labels(*labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = self.per_engine_labelvalues[engine_idx]
@@ -204,11 +225,12 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
             counter = self._counters.get(name)
             if counter is None:
                 continue  # a figure of another kvtier version: nothing to show it in
+            record = "set" if name in GAUGES else "inc"
             if isinstance(value, Mapping):
                 for label, amount in value.items():
-                    counter.labels(*engine, label).inc(amount)
+                    getattr(counter.labels(*engine, label), record)(amount)
             else:
-                counter.labels(*engine).inc(value)
+                getattr(counter.labels(*engine), record)(value)
 
 
 def build_stats(data: dict[str, Any] | None) -> KvtierStats:

@@ -148,6 +148,11 @@ class SchedulerStats:
     recomputed_chunks_by_tier: Counter = field(default_factory=Counter)
     load_probes: int = 0  # probe jobs: reads of a skipped tier, beside the engine, to measure it again
     ignored_tenants: int = 0  # requests that named their tenant, not trusted (trust_request_tenant off)
+    load_decision_changes: int = 0  # times a tier started or stopped being skipped (load_costs.py)
+    # gauges: the estimates of the last decision (None, or a tier absent: not measured yet)
+    prefill_us_per_token: float | None = None
+    prefill_tokens_per_s: float | None = None
+    tier_tokens_per_s: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {name: dict(value) if isinstance(value, Counter) else value for name, value in vars(self).items()}
@@ -189,7 +194,6 @@ class KvtierScheduler:
         self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
         self._next_step = 0
         self._timed_steps: dict[int, tuple[float, int, int]] = {}  # step -> (built at, tokens, position sum)
-        self._skipped_tiers: set[str] = set()  # tiers the last decision skipped (for the log)
 
     # -- chunk size ----------------------------------------------------------------------------
 
@@ -299,11 +303,8 @@ class KvtierScheduler:
         if cut.probe is not None:
             self._probes.append(self._probe_job(req_id, scope, tiers, spans, chunk, cut.probe[1], hit))
             self.stats.load_probes += 1
-        skipped = set(cut.skipped_tokens)
-        for tier in skipped ^ (self._skipped_tiers & set(tiers)):  # started or stopped being skipped
-            log.info("kvtier: %s tier %s: %s", "skipping" if tier in skipped else "loading from", tier,
-                     self.costs.figures()["tiers"].get(tier))
-        self._skipped_tiers = (self._skipped_tiers - set(tiers)) | skipped
+        for name, value in self.costs.gauges().items():  # the estimates the decision used, for /metrics
+            setattr(self.stats, name, value)
         return cut.end
 
     def _probe_job(self, req_id: ReqId, scope: RequestScope, tiers: list[str],
@@ -643,7 +644,7 @@ class KvtierScheduler:
         return True
 
     def figures(self) -> dict:
-        """The running totals, and the load-or-recompute estimates (not counters: not in /metrics)."""
+        """The running totals, and the load-or-recompute estimates (in /metrics as gauges: those of the last decision)."""
         figures = totals(self.stats.as_dict())
         return {**figures, "load_costs": self.costs.figures()} if self.costs is not None else figures
 
