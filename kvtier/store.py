@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -330,8 +331,10 @@ class TieredStore:
 
 
 def _yield_to_the_engine() -> None:
-    """Lower this thread's scheduling priority by ``WRITER_NICENESS`` (where the OS has
-    per-thread niceness: Linux; elsewhere it keeps its priority)."""
+    """Lower this thread's scheduling priority by ``WRITER_NICENESS`` where niceness is per
+    thread (Linux; elsewhere a thread id given to setpriority would name a process)."""
+    if sys.platform != "linux":
+        return
     try:
         nice = os.getpriority(os.PRIO_PROCESS, 0)
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, nice + WRITER_NICENESS))
