@@ -7,8 +7,9 @@ and one after the kvtier server restarted (its disk tier only), each compared wi
 float32 families: greedy tokens identical and logprobs within 1e-3. The GDN family runs in
 bfloat16 only (vLLM's CPU kernels): vLLM alone's own spread is measured first (the same prompts
 with its prefix cache hit and missed, batched and one by one) and kvtier must stay within it.
-MLA: vLLM's CPU build cannot prefill after context it did not compute in the same pass (it turns
-chunked prefill off for MLA), so kvtier loads only hits that leave the last token to compute; that
+MLA: vLLM's CPU rotary op scrambles MLA's queries, so vLLM alone's answers depend on how many
+tokens a step holds (pinned by ``test_vllm_cpu_rotary_op_scrambles_mla_queries``), and kvtier
+loads only hits that leave the last token to compute (chunked prefill is off for MLA there); that
 token takes vLLM's MLA decode path, whose logprobs differ from its prefill path's by up to ~0.5
 on the tiny model. So the reference is vLLM alone's decode path too: its prompt Q (whole blocks)
 generates greedily, and kvtier's warm prompt is Q plus vLLM alone's first token, Q loaded: its
@@ -243,3 +244,40 @@ def _negative_control(run: Run, server: Server) -> None:
         diff = run.distance(out, warm)
         print(f"{run.name}: {len(victims)} objects damaged: off by {diff:.3g} (tolerance {run.tolerance:.3g})")
         assert (diff <= run.tolerance) is (not victims), f"{run.name}: {len(victims)} objects of one group damaged; logprobs off by {diff:.3g}"
+
+
+def test_vllm_cpu_rotary_op_scrambles_mla_queries():
+    """Why MLA loads only whole prompts on vLLM's CPU build (``EngineLayout.whole_prompt_loads``):
+    vLLM's CPU rotary op takes the heads of MLA's 3-D query ``[tokens, heads, rope]`` as tokens
+    (the first ``tokens`` (token, head) rows are rotated by ``positions[row]``, the rest not at
+    all), and the key rope view MLA passes (a column slice of the latent row) by the view's
+    stride. So vLLM alone's MLA answers depend on how many tokens a step holds, and a question
+    prefilled after loaded context cannot match them: measured on the tiny MLA family, fp32,
+    2048 tokens loaded and 16 prefilled, logprobs off by 0.01-0.07 and greedy tokens apart,
+    through vLLM's own ExampleConnector as through kvtier. A 2-D query is rotated right. When
+    this test fails, vLLM has fixed its op: lift the restriction."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    config = FAMILIES["mla"].config
+    heads, rope_dim, latent = config["num_attention_heads"], config["qk_rope_head_dim"], config["kv_lora_rank"]
+    with set_current_vllm_config(VllmConfig()):  # as DeepseekV2's MLA builds it
+        rope = get_rope(rope_dim, max_position=MAX_LEN, rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+                        is_neox_style=False)
+    tokens = 16
+    positions = torch.arange(512, 512 + tokens)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(tokens, heads, rope_dim, generator=generator)
+    key_row = torch.randn(tokens, latent + rope_dim, generator=generator)  # latent, then the key's rope part
+    want_q, want_k = rope.forward_native(positions, query.clone(), key_row[:, latent:].clone().unsqueeze(1))
+
+    flat_q, _ = rope.forward_cpu(positions, query.clone().reshape(tokens, heads * rope_dim), None)
+    assert torch.allclose(flat_q.reshape(tokens, heads, rope_dim), want_q, atol=1e-5)  # the op itself is right
+    got_q, _ = rope.forward_cpu(positions, query.clone(), None)
+    rows = query.clone().reshape(tokens * heads, rope_dim)
+    rows[:tokens] = rope.forward_native(positions, rows[:tokens].clone().unsqueeze(1), None)[0].reshape(tokens, rope_dim)
+    assert torch.allclose(got_q.reshape(tokens * heads, rope_dim), rows, atol=1e-5), "vLLM's CPU rotary op reads 3-D queries right now"
+    assert (got_q - want_q).abs().max() > 0.1
+    _, got_k = rope.forward_cpu(positions, query.clone(), key_row.clone()[:, latent:].unsqueeze(1))
+    assert (got_k.reshape(tokens, rope_dim) - want_k.reshape(tokens, rope_dim)).abs().max() > 0.1
