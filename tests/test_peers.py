@@ -34,3 +34,14 @@ def test_connector_config_names_the_server():
     config = lmcache_transfer_config(5601)
     assert config["kv_connector"] == "LMCacheMPConnector"
     assert config["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5601}
+
+
+def test_llvmlite_lib_gives_vllm_a_namespace():
+    # vLLM 0.32's kernel overrides read vars(x).get("kernel") of every module-level object; with
+    # numba imported (LMCache does), llvmlite's lib answered "__dict__" with a function wrapper
+    from llvmlite.binding import ffi
+
+    from kvtier_testing.engine_process import _llvmlite_answers_vars
+
+    _llvmlite_answers_vars()
+    assert vars(ffi.lib).get("kernel") is None
