@@ -13,8 +13,8 @@ request runs in such a cache. Every run prints how the cache was capped.
 
 ``--families all`` (or a comma list) runs what a user sees instead (issue 26, ``_user_run``), on
 each family ``--repeats`` times with fresh engines and servers, in bfloat16: contexts of random
-tokens (dense 4096, others 2048), each with a fresh question; pass 1 (fill), pass 2 (new
-questions), misses right after stores, then a restart of every engine and server; vLLM alone,
+tokens (dense 4096, others 2048), each with a fresh question; pass 1 (fill) with new contexts
+(misses) right after its stores, pass 2 (new questions), then a restart of every engine and server; vLLM alone,
 vLLM + a kvtier server (L1 1 GiB, an fs L2, default connector settings) and, where ``make peers``
 built LMCache's environment and the family is one it serves, vLLM + LMCache's MP server, taking
 turns. Its JSON line has ``families[f]``: ``min_repeat_hit_fraction`` (>= 0.9),
@@ -396,9 +396,10 @@ def _user_run(args, family_name: str, repeat: int, lmcache: Path | None) -> dict
     own prefix cache capped at a third of the working set, one request at a time, the engines
     taking turns a few requests each. N contexts of random tokens, each with a fresh question:
     pass 1 fills (each engine's first request is its first ever: vLLM's warm-up is in it, as a
-    user meets it), pass 2 asks new questions, then M new contexts (misses, asked back to back
-    right after pass 2's stores); then every engine and server is stopped and started anew (the
-    servers on the same fs L2) and each context is asked a third question (restart)."""
+    user meets it), with M new contexts (misses) asked in the same turns right after the fill's,
+    back to back, so each follows stores; pass 2 asks new questions; then every engine and server
+    is stopped and started anew (the servers on the same fs L2) and each context is asked a third
+    question (restart)."""
     started, load_before = time.monotonic(), _loadavg()
     family = family_spec(family_name)
     workdir = args.workdir / family_name / f"repeat-{repeat + 1}"
@@ -454,21 +455,27 @@ def _user_run(args, family_name: str, repeat: int, lmcache: Path | None) -> dict
         _check_groups(family.name, engines["vllm"])
         return engines, servers
 
-    def ask(engines: dict, phase: str) -> None:
-        for k, group in enumerate(_groups(range(len(prompts[phase])))):
-            for name in _turn_order(k, *names):
-                outs[phase][name] += _ask(engines[name], [prompts[phase][i] for i in group])
-
     engines, servers = start(1)
     try:
-        for phase in ("fill", "pass 2", "miss"):
-            ask(engines, phase)
+        _take_turns(engines, prompts, outs, "fill", "miss")
+        _take_turns(engines, prompts, outs, "pass 2")
         _stop(engines, servers)  # an engine stops after its queued saves are done; a server after its writes
         engines, servers = start(2)
-        ask(engines, "restart")
+        _take_turns(engines, prompts, outs, "restart")
     finally:
         _stop(engines, servers)
     return _user_figures(family.name, length, n, outs, cap, working_set, load_before, started)
+
+
+def _take_turns(engines: dict, prompts: dict[str, list], outs: dict[str, dict[str, list]], *phases: str) -> None:
+    """The engines take turns (three requests of the first phase a turn); in its turn an engine
+    asks its share of each phase back to back: the misses right after the fill's stores."""
+    turns = math.ceil(len(prompts[phases[0]]) / 3)
+    for k in range(turns):
+        for name in _turn_order(k, *engines):
+            for phase in phases:
+                share = prompts[phase][len(prompts[phase]) * k // turns: len(prompts[phase]) * (k + 1) // turns]
+                outs[phase][name] += _ask(engines[name], share) if share else []
 
 
 def _stop(engines: dict, servers: list) -> None:

@@ -114,3 +114,23 @@ def test_over_repeats_medians_and_worst_hits():
     assert f["min_repeat_hit_fraction"] == 0.0 and f["errors"] == ["vLLM exited"]  # a failed repeat has no hits
     assert f["vs_lmcache"] == 2.5 and f["ttft_ratio_vs_vllm"] == 13
     assert "ttft_ratio_vs_vllm" not in ttft._over_repeats([{"error": "x"}])  # every figure missing: targets missed
+
+
+def test_misses_follow_the_fills_in_each_turn(monkeypatch):
+    monkeypatch.setattr(ttft.time, "sleep", lambda s: None)
+    asked = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompts, **kw):
+            asked.append((self.name, [p[0] for p in prompts]))
+            return [{"prompt": p} for p in prompts]
+
+    prompts = {"fill": [[f"f{i}"] for i in range(6)], "miss": [[f"m{i}"] for i in range(3)]}
+    outs = {phase: {"a": [], "b": []} for phase in prompts}
+    ttft._take_turns({"a": Engine("a"), "b": Engine("b")}, prompts, outs, "fill", "miss")
+    assert asked == [("a", ["f0", "f1", "f2"]), ("a", ["m0"]), ("b", ["f0", "f1", "f2"]), ("b", ["m0"]),
+                     ("b", ["f3", "f4", "f5"]), ("b", ["m1", "m2"]), ("a", ["f3", "f4", "f5"]), ("a", ["m1", "m2"])]
+    assert [o["prompt"] for o in outs["miss"]["a"]] == [["m0"], ["m1"], ["m2"]]
