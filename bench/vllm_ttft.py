@@ -262,7 +262,8 @@ def _parse(argv):
     parser.add_argument("--repeats", type=int, default=3,
                         help="--families: fresh engines and servers this many times per family (default %(default)s)")
     parser.add_argument("--contexts", type=int, default=None, help="N contexts (default 24, quick 12; slow-remote 12, quick 6)")
-    parser.add_argument("--length", type=int, default=4096, help="L tokens per context (default 4096)")
+    parser.add_argument("--length", type=int, default=4096,
+                        help="L tokens per context (default 4096; --families: 4096 dense, 2048 the others)")
     parser.add_argument("--misses", type=int, default=None, help="M never-seen contexts (default 12, quick 6)")
     parser.add_argument("--sweep", default="1024,2048,4096,8192", help="context lengths of the warm/cold sweep")
     parser.add_argument("--sweep-contexts", type=int, default=None, help="contexts per sweep length (default 5, quick 3)")
