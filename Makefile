@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-transformers test bench bench-slow-remote lock wheel-smoke venv clean
+.PHONY: demo demo-transformers test bench bench-slow-remote bench-families peers lock wheel-smoke venv clean
 
 venv: $(STAMP)
 
@@ -48,5 +48,26 @@ bench: $(STAMP)
 bench-slow-remote: $(STAMP)
 	$(PY) bench/vllm_ttft.py --scenario slow-remote --quick --check
 
+# LMCache beside kvtier for bench/vllm_ttft.py --families (kvtier_testing/peers.py), in a venv of its
+# own so that kvtier's lock stays as it is: .venv-peers sees .venv's packages (a .pth file) and adds
+# LMCache without its pins (--no-deps: they would replace vLLM's) and what its server imports beyond them.
+PEERS := .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
+LMCACHE_PEERS := lmcache==0.5.6
+LMCACHE_EXTRAS := opentelemetry-exporter-prometheus==0.66b2 aiofiles==25.1.0 aiofile==3.12.3 awscrt==0.38.1
+
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(STAMP)
+	$(PY) -m venv $(PEERS)
+	$(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > "$$($(PEERS)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/kvtier-venv.pth"
+	$(PEERS)/bin/python -m pip install --quiet --no-deps $(LMCACHE_PEERS)
+	$(PEERS)/bin/python -m pip install --quiet $(LMCACHE_EXTRAS)
+	touch $@
+
+# what a user sees, every family, LMCache beside kvtier where it runs (make peers first)
+bench-families: $(STAMP)
+	$(PY) bench/vllm_ttft.py --quick --families all --repeats 3 --check
+
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS) .cache .pytest_cache .hypothesis

@@ -85,7 +85,11 @@ class EngineProcess:
         llm_kwargs: dict | None = None,
         env: dict[str, str] | None = None,
         name: str = "vllm",
+        python: str | None = None,
     ) -> None:
+        """``python``: the interpreter that runs the engine (default this one's): a peer's
+        environment (``make peers``) runs vLLM with another KV-cache layer installed beside it."""
+        self.python = python or sys.executable
         self.spec = {
             "model": str(model),
             "dtype": "float32",
@@ -113,7 +117,7 @@ class EngineProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier_testing.engine_process", json.dumps(self.spec)],
+                [self.python, "-m", "kvtier_testing.engine_process", json.dumps(self.spec)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=self.env,
                 text=True, bufsize=1,
             )
@@ -321,6 +325,15 @@ def _generate(llm, args: dict) -> dict:
     return {"outputs": outputs}
 
 
+def _llvmlite_answers_vars() -> None:
+    """LMCache imports numba; vLLM 0.32 (CPU) then fails at start: its kernel overrides read
+    ``vars()`` of every module-level object, and llvmlite's ``ffi.lib`` answers any attribute,
+    ``__dict__`` included, with a function wrapper. Give it the empty namespace it lacks."""
+    from llvmlite.binding import ffi
+
+    ffi.lib._fntab.setdefault("__dict__", {})
+
+
 def _child(spec: dict) -> None:
     reply_fd = os.dup(1)
     os.dup2(2, 1)  # everything vLLM prints goes to the log, replies to the saved stdout
@@ -333,6 +346,8 @@ def _child(spec: dict) -> None:
     try:
         from vllm import LLM
 
+        if spec.get("kv_transfer_config", {}).get("kv_connector") == "LMCacheMPConnector":
+            _llvmlite_answers_vars()
         if "kv_events_config" in spec:  # LLM takes this config as an object only
             from vllm.config import KVEventsConfig
 

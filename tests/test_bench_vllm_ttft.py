@@ -64,3 +64,73 @@ def test_families_flag():
         ttft._parse(["--families", "mla,nope"])
     assert ttft._family_targets("mla")["ttft_ratio_vs_vllm"].bar == 12
     assert ttft._family_targets("sliding")["ttft_ratio_vs_vllm"].bar == 5
+
+
+def test_families_flag_repeats_and_defaults():
+    args = ttft._parse(["--families", "all", "--quick"])
+    assert (args.repeats, args.contexts, args.misses) == (3, 6, 3)
+    assert "gpt_oss" in args.families
+    assert ttft._parse(["--families", "llama"]).contexts == 12
+    with pytest.raises(SystemExit):
+        ttft._parse(["--families", "all", "--repeats", "0"])
+
+
+def test_turns_rotate_over_every_engine(monkeypatch):
+    monkeypatch.setattr(ttft.time, "sleep", lambda s: None)
+    assert [list(ttft._turn_order(k, "a", "b", "c")) for k in range(3)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert [list(ttft._turn_order(k, "a", "b")) for k in range(2)] == [["a", "b"], ["b", "a"]]
+
+
+def _user_outs(ms: dict[str, dict[str, float]], hits: dict[str, int], n: int = 3) -> dict:
+    """Outputs of one user run: every request of a phase and engine takes ``ms``; pass 2 hits ``hits``."""
+    return {phase: {name: [{**_out(5, -1.0), "latency_s": t / 1e3,
+                            "num_cached_tokens": hits.get(name, 0) if phase == "pass 2" else 0} for _ in range(n)]
+                    for name, t in by.items()} for phase, by in ms.items()}
+
+
+def test_user_figures_ratios_and_hits(capsys):
+    ms = {"fill": {"vllm": 100, "kvtier": 104, "lmcache": 120}, "pass 2": {"vllm": 100, "kvtier": 10, "lmcache": 40},
+          "miss": {"vllm": 100, "kvtier": 102, "lmcache": 110}, "restart": {"vllm": 200, "kvtier": 20, "lmcache": 50}}
+    run = ttft._user_figures("llama", 2100, 3, _user_outs(ms, {"kvtier": 2048, "lmcache": 1024}), 10, 30, 0.5, 0.0)
+    assert run["held_tokens"] == 2048  # whole chunks of 256 tokens
+    assert run["hit_fraction"] == {"kvtier": 1.0, "lmcache": 0.5}
+    assert run["ratio"] == pytest.approx({"pass 2": 10, "restart": 10, "miss": 1.02, "fill": 1.04})
+    assert run["vs_lmcache"] == pytest.approx({"pass 2": 4, "restart": 2.5})
+    assert "kvtier pass-2 hit tokens: [2048, 2048, 2048] of 2048 held (100%)" in capsys.readouterr().out
+
+
+def test_over_repeats_medians_and_worst_hits():
+    def run(p2: float, hit: float, lmcache: float | None = None) -> dict:
+        return {"length": 2048, "contexts": 6, "ratio": {"pass 2": p2, "restart": 2 * p2, "miss": 1.01, "fill": 1.02},
+                "hit_fraction": {"kvtier": hit, **({"lmcache": 1.0} if lmcache else {})},
+                **({"vs_lmcache": {"pass 2": lmcache, "restart": lmcache}, "lmcache_vs_vllm": {"pass 2": 3, "restart": 3}}
+                   if lmcache else {})}
+
+    f = ttft._over_repeats([run(14, 1.0), run(0.84, 0.23), run(12, 1.0)])
+    assert f["min_repeat_hit_fraction"] == 0.23  # the worst repeat, not the median
+    assert f["ttft_ratio_vs_vllm"] == 12 and f["spread"]["pass 2"] == [0.84, 14]
+    assert "vs_lmcache" not in f
+    f = ttft._over_repeats([run(14, 1.0, 3), run(12, 1.0, 2), {"error": "vLLM exited"}])
+    assert f["min_repeat_hit_fraction"] == 0.0 and f["errors"] == ["vLLM exited"]  # a failed repeat has no hits
+    assert f["vs_lmcache"] == 2.5 and f["ttft_ratio_vs_vllm"] == 13
+    assert "ttft_ratio_vs_vllm" not in ttft._over_repeats([{"error": "x"}])  # every figure missing: targets missed
+
+
+def test_misses_follow_the_fills_in_each_turn(monkeypatch):
+    monkeypatch.setattr(ttft.time, "sleep", lambda s: None)
+    asked = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompts, **kw):
+            asked.append((self.name, [p[0] for p in prompts]))
+            return [{"prompt": p} for p in prompts]
+
+    prompts = {"fill": [[f"f{i}"] for i in range(6)], "miss": [[f"m{i}"] for i in range(3)]}
+    outs = {phase: {"a": [], "b": []} for phase in prompts}
+    ttft._take_turns({"a": Engine("a"), "b": Engine("b")}, prompts, outs, "fill", "miss")
+    assert asked == [("a", ["f0", "f1", "f2"]), ("a", ["m0"]), ("b", ["f0", "f1", "f2"]), ("b", ["m0"]),
+                     ("b", ["f3", "f4", "f5"]), ("b", ["m1", "m2"]), ("a", ["f3", "f4", "f5"]), ("a", ["m1", "m2"])]
+    assert [o["prompt"] for o in outs["miss"]["a"]] == [["m0"], ["m1"], ["m2"]]
