@@ -6,13 +6,15 @@ A benchmark runs LMCache only where that environment exists, and says by name wh
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 from kvtier_testing.services import Service
 
 LMCACHE_VERSION = "0.5.6"
-PEERS_VENV = Path(__file__).resolve().parents[1] / ".venv-peers"
+#: Where ``make peers`` puts the environment (the checkout the benchmark runs from), or $KVTIER_PEERS_VENV.
+PEERS_VENV = Path(os.environ.get("KVTIER_PEERS_VENV", ".venv-peers")).absolute()
 
 
 def lmcache_python(venv: Path = PEERS_VENV) -> tuple[Path | None, str]:
