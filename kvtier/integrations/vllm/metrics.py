@@ -87,6 +87,8 @@ FIGURES = (
     Figure("loads", "loads", "Load jobs run by the workers (each TP rank counts its own)"),
     Figure("loaded_tokens", "loaded_tokens", "Tokens loaded into vLLM's blocks (each TP rank counts its own)"),
     Figure("failed_loads", "failed_loads", "Load jobs that came back short; vLLM recomputed the rest"),
+    Figure("loads_not_retried", "loads_not_retried", "Lookups of a request whose load had come back short,"
+           " answered with no load: vLLM computes it"),
     Figure("failed_load_tokens", "failed_load_tokens", "Tokens of short loads that did not arrive (vLLM recomputed them)"),
     Figure("load_bytes", "load_bytes", "KV bytes copied from kvtier into vLLM's blocks (whole pages)"),
     Figure("load_seconds", "load_s", "Time synchronous loads took on the engine's path (retrieve and copy)"),

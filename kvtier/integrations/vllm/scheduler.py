@@ -112,6 +112,7 @@ class _Tracked:
     saved_upto: int  # tokens known stored in kvtier or covered by a save job
     request: "Request"  # for vLLM's block hashes of what is saved (block_records)
     save_jobs: int = 0
+    load_failed: bool = False  # a load of it came back short: it is computed from then on
 
 
 @dataclass
@@ -149,6 +150,7 @@ class SchedulerStats:
     load_probes: int = 0  # probe jobs: reads of a skipped tier, beside the engine, to measure it again
     ignored_tenants: int = 0  # requests that named their tenant, not trusted (trust_request_tenant off)
     load_decision_changes: int = 0  # times a tier started or stopped being skipped (load_costs.py)
+    loads_not_retried: int = 0  # lookups of a request whose load came back short: computed, not loaded again
     # gauges: the estimates of the last decision (None, or a tier absent: not measured yet)
     prefill_us_per_token: float | None = None
     prefill_tokens_per_s: float | None = None
@@ -225,6 +227,14 @@ class KvtierScheduler:
             return 0, False
         scope = request_scope(request, self.config.trust_request_tenant)
         if scope is None:
+            return 0, False
+        tracked = self._requests.get(request.request_id)
+        if tracked is not None and tracked.load_failed:
+            # A load of it came back short: what kvtier held is gone or unreadable, and vLLM
+            # 0.32 keeps the failed asynchronous load's block reservation while the request
+            # waits again, so a second asynchronous load of it would be refused room forever
+            # where vLLM's cache is tight (every load of a model with several groups is one)
+            self.stats.loads_not_retried += 1
             return 0, False
         known = self._lookups.get(request.request_id)
         if known is not None and known.num_computed == num_computed_tokens:
@@ -590,6 +600,7 @@ class KvtierScheduler:
             tracked = self._requests.get(req_id)
             if tracked is not None:
                 tracked.saved_upto = min(tracked.saved_upto, start)
+                tracked.load_failed = True
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """Plan the save of the request's history, if any (True: vLLM must keep its blocks until
