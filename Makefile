@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-transformers test bench bench-slow-remote bench-families peers lock wheel-smoke venv clean
+.PHONY: demo demo-transformers test test-fast bench bench-slow-remote bench-families peers lock wheel-smoke venv clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,10 @@ demo-transformers: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the tests that start no engine and take under two seconds each: minutes, for the edit-test loop
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not vllm and not slow"
 
 wheel-smoke:
 	$(PYTHON) .ci/wheel-smoke

@@ -59,6 +59,7 @@ def test_check_flag():
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+@pytest.mark.slow
 def test_every_benchmark_takes_check(script):
     out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -23,6 +23,8 @@ from kvtier.store import TieredStore
 from kvtier.tiers.memory import MemoryTier
 from kvtier_testing.kvtier_processes import ServerProcess
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 ATOL = 1e-5
 CHUNK = 32
 
@@ -305,6 +307,7 @@ def test_segments_through_a_server_are_found_by_another_client(tmp_path, tiny_hf
 # -- quality on the trained task model -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_blending_restores_the_accuracy_that_naive_reuse_loses():
     from kvtier_testing.blend.quality import evaluate, load_task_model
 

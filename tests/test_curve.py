@@ -25,6 +25,8 @@ from kvtier.wire.curve import generate
 from kvtier_testing.kvtier_processes import ServerProcess, free_port
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 
 #: A ZMTP 3.0 greeting offering the NULL mechanism: a peer that speaks ZeroMQ without Curve.
 NULL_GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
@@ -120,6 +122,7 @@ def _intruders(url: str, keys: dict, server: str) -> list[KvtierClient]:
     ]
 
 
+@pytest.mark.slow
 def test_two_servers_admit_the_allowed_key_only_and_refused_peers_disturb_nobody(keys, tmp_path):
     first = KvtierServer(convert(base_config(curve=True, curve_secret_key=str(keys["server1_secret"]),
                                              curve_clients_dir=str(keys["allowed"])), ServerConfig))

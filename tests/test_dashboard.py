@@ -25,6 +25,8 @@ from kvtier.client import KvtierClient
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, tokens
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / ".cache" / "artifacts"
 TOKEN = "dash-s3cret"
@@ -86,6 +88,7 @@ def shown_text(page, field: str) -> str:
     return page.locator(f'[data-field="{field}"]').first.inner_text().replace(",", "")
 
 
+@pytest.mark.slow
 def test_dashboard_shows_the_servers_numbers(server):
     from playwright.sync_api import sync_playwright
 
@@ -186,6 +189,7 @@ def test_dashboard_assets_are_the_packages_own(server):
     assert missing.value.code == 404
 
 
+@pytest.mark.slow
 def test_status_command_prints_a_colored_summary(server):
     client = KvtierClient(server.url, timeout_s=5)
     client_cache = TokenCache(client)

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvtier_testing import fuzz_server
+
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
 
 #: About a minute and a half on an idle 2-core machine (each example is tens of moves; one in
 #: four restarts the server, one in six waits out the lease time).
 EXAMPLES = 30
 
 
+@pytest.mark.slow
 def test_fuzzer_breaks_no_invariant(tmp_path):
     target = fuzz_server.started_target(tmp_path, seed=random.randrange(1 << 32))
     try:
@@ -26,6 +31,7 @@ def test_fuzzer_breaks_no_invariant(tmp_path):
         assert stats[figure] >= 1, f"no {figure} in {EXAMPLES} examples: {dict(stats)}"
 
 
+@pytest.mark.slow
 def test_every_move_in_one_example(tmp_path):
     """One example that makes every move, the rare ones included, with its invariants checked
     after each."""

@@ -31,6 +31,8 @@ from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.services import free_port
 from kvtier_testing.workload import NS, fill_for, tokens
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 CHUNK = 16  # the harness server's chunk size
 BLOCK = 4  # "vLLM's" block size in these records: four blocks per chunk
 MODEL = "tiny-model"
@@ -111,6 +113,7 @@ def events_server(tmp_path: Path, *flags: str, l1_gb: float = 0.0004) -> tuple[S
     return server, port
 
 
+@pytest.mark.slow
 def test_replay_from_start_equals_what_the_tiers_hold_through_evictions_corruption_clear_and_restart(tmp_path):
     disk = tmp_path / "l2"
     adapter = json.dumps({"type": "fs", "base_path": str(disk), "max_capacity_gb": 0.0001})
@@ -175,6 +178,7 @@ def test_replay_from_start_equals_what_the_tiers_hold_through_evictions_corrupti
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_subscriber_fills_a_gap_from_the_replay_socket_within_its_bound(tmp_path):
     server, port = events_server(tmp_path, "--kv-events-buffer", "6", l1_gb=0.01)
     server.start()
@@ -220,6 +224,7 @@ def kvtier_server_fails(*flags: str) -> tuple[int, str]:
     return out.returncode, out.stderr
 
 
+@pytest.mark.slow
 def test_bad_kv_events_flags_and_a_port_in_use_are_clear_errors(tmp_path):
     for flags, message in [
         (["--kv-events-port", "70000"], "--kv-events-port: Expected `int` <= 65535"),
@@ -241,6 +246,7 @@ def test_bad_kv_events_flags_and_a_port_in_use_are_clear_errors(tmp_path):
     assert code == 1 and f"cannot bind the kv events port 127.0.0.1:{port}" in stderr, stderr
 
 
+@pytest.mark.slow
 def test_bad_block_records_are_refused_or_left_unpublished(tmp_path):
     disk = tmp_path / "l2"
     server, port = events_server(tmp_path, "--l2-adapter", json.dumps({"type": "fs", "base_path": str(disk)}))

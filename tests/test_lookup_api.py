@@ -18,6 +18,8 @@ from kvtier.tiers.memory import MemoryTier
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import LAYOUT, NS, fill_for, tokens
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 CHUNK = 16  # ServerProcess's chunk size
 
 
@@ -43,6 +45,7 @@ def store(server: ServerProcess, toks: np.ndarray, ns=NS) -> None:
     client.close()
 
 
+@pytest.mark.slow
 def test_lookup_answers_the_stored_prefix_per_tier(server):
     stored = tokens(1000, 70)  # 4 full chunks and a tail of 6
     store(server, stored)
@@ -63,6 +66,7 @@ def test_lookup_answers_the_stored_prefix_per_tier(server):
     assert answer["prefix_tokens"] == 70 and answer["tiers"] == {"disk": 70}
 
 
+@pytest.mark.slow
 def test_lookup_pins_and_promotes_nothing(server):
     stored = tokens(2000, 64)
     store(server, stored)
@@ -110,6 +114,7 @@ def test_lookup_leaves_eviction_order_alone():
     assert _evicted_first(read) == "B"
 
 
+@pytest.mark.slow
 def test_lookup_with_text_uses_the_models_tokenizer(tmp_path, tiny_model_path, tiny_tokenizer):
     proc = ServerProcess(tmp_path, "--tokenizer", json.dumps({"model": "tiny", "path": str(tiny_model_path)})).start()
     try:
@@ -154,6 +159,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_lookups_are_4xx_that_name_the_problem(server):
     for body, status, words in BAD:
         response = ask(server.http, body)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
+
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
 
 
 def host(tmp_path, name: str, shared: dict) -> ServerProcess:
@@ -42,10 +46,12 @@ def shared_by_two_hosts(tmp_path, shared: dict, tier_name: str) -> None:
         second.stop()
 
 
+@pytest.mark.slow
 def test_two_hosts_share_one_redis(tmp_path, redis_server):
     shared_by_two_hosts(tmp_path, {"type": "redis", "url": redis_server.url, "key_prefix": "kvtier-multi:"}, "redis")
 
 
+@pytest.mark.slow
 def test_two_hosts_share_one_s3_bucket(tmp_path, s3_server, s3_credentials):
     from kvtier_testing.servers import S3_BUCKET
 

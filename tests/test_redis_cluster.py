@@ -22,6 +22,8 @@ from kvtier_testing.servers import ValkeyCluster
 from kvtier_testing.tier_objects import key, obj
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 PROMPT = 96  # tokens: 6 chunks of 16, each under its own key, so in slots all over the cluster
 
 
@@ -33,6 +35,7 @@ def cluster(tmp_path):
     cluster.stop()
 
 
+@pytest.mark.slow
 def test_objects_spread_over_every_master_and_usage_counts_masters_only(cluster):
     tier = RedisTier(cluster.url, cluster=True)
     items = [(key(i), obj(i)) for i in range(60)]
@@ -50,6 +53,7 @@ def _redis_stats(server: ServerProcess) -> dict:
     return next(t for t in server.get("/status")["tiers"] if t["name"] == "redis")["stats"]
 
 
+@pytest.mark.slow
 def test_a_killed_master_gives_misses_then_both_servers_recover_after_failover(tmp_path, cluster):
     others = [f"127.0.0.1:{m.port}" for m in cluster.masters[1:]]
     adapter = {"type": "redis", "url": cluster.url, "cluster": True, "startup_nodes": others}

@@ -20,6 +20,8 @@ from kvtier.tiers.redis import RedisTier, redacted_url
 from kvtier_testing.servers import RedisServer
 from kvtier_testing.tier_objects import LAYOUT, key, obj, wait_until
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 
 def raw_client(server: RedisServer) -> redis.Redis:
     return redis.Redis.from_url(server.url)

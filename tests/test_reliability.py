@@ -22,6 +22,8 @@ from kvtier.keys import Namespace
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import LAYOUT, NS, fill_for, retrieved_is_exact, tokens
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -31,6 +33,7 @@ def run_bench(name: str, *flags: str) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_chaos_kills_never_give_wrong_bytes_or_hangs():
     result = run_bench("chaos.py", "--quick")
     assert result["kills"] == 10 and result["server_exits_unkilled"] == 0  # each kill hit a running server
@@ -41,6 +44,7 @@ def test_chaos_kills_never_give_wrong_bytes_or_hangs():
     assert result["max_rss_over_l1_mb"] < 200
 
 
+@pytest.mark.slow
 def test_load_stays_within_capacity_without_errors():
     result = run_bench("load.py", "--quick")
     assert result["clients_finished"] == result["clients"] == 8
@@ -111,6 +115,7 @@ def test_disk_full_keeps_serving_and_recovers(tmp_path):
             server.stop()
 
 
+@pytest.mark.slow
 def test_files_damaged_behind_the_servers_back_are_misses(tmp_path):
     base = tmp_path / "l2"
     server = fs_server(tmp_path, base, capacity_gb=0.05)
@@ -257,6 +262,7 @@ def test_servers_bind_loopback_by_default(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_base_path_cannot_reach_outside_files(tmp_path):
     """Symlinks named like objects are not followed, foreign files are never deleted, and a
     clear removes only kvtier's own files."""

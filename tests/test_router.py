@@ -118,6 +118,7 @@ def test_round_robin_takes_each_instance_in_turn(router_of):
         assert router.status()["choices"] == {a.url: 2, b.url: 2, c.url: 2}
 
 
+@pytest.mark.slow
 def test_least_loaded_avoids_the_busy_instance(router_of):
     with Upstream("slow", delay_s=1.5) as slow, Upstream("fast") as fast:
         url, router = router_of([slow.url, fast.url], LeastLoaded())
@@ -144,6 +145,7 @@ def test_streamed_answers_pass_through(router_of):
 
 
 @pytest.mark.parametrize("failure", ["refused", "hangup", "500"])
+@pytest.mark.slow
 def test_a_failing_instance_loses_no_request_and_is_skipped_then_retried(router_of, failure):
     with Upstream("ok") as ok, Upstream("bad", status=500) as bad500:
         hangup = Hangup()
@@ -187,6 +189,7 @@ def test_bad_instance_specs_are_refused():
             parse_instance(spec)
 
 
+@pytest.mark.slow
 def test_cli_names_what_is_wrong():
     cases = [(["router"], "--instance"), (["router", "--instance", "http://a", "--policy", "pd"], "--prefill"),
              (["router", "--instance", "http://a"], "--tokenizer")]

@@ -17,6 +17,8 @@ from kvtier.tiers.s3 import S3Tier
 from kvtier_testing.tier_objects import LAYOUT, key, obj, wait_until
 from kvtier_testing.servers import S3_BUCKET, SeaweedS3
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 _prefixes = itertools.count()
 
 
@@ -150,6 +152,7 @@ def test_two_hosts_share_one_bucket(make_tier):
 # -- faults: a store down at start, hung, killed; nothing reaches the caller -------------------------
 
 
+@pytest.mark.slow
 def test_store_down_at_start_then_hung_then_killed(tmp_path, s3_credentials):
     server = SeaweedS3(tmp_path / "seaweedfs")
     tier = S3Tier(

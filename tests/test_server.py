@@ -17,6 +17,8 @@ from kvtier.client import KvtierClient
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 
 def engine(action: str, server: ServerProcess, first: int, count: int, *flags: str) -> dict:
     """Run one store or retrieve in a separate Python interpreter."""
@@ -32,6 +34,7 @@ def server(kvtier_server_with_disk):
 
 
 @pytest.mark.parametrize("path", ["shared-memory", "frames"])
+@pytest.mark.slow
 def test_process_b_retrieves_what_process_a_stored(server, path):
     flags = ("--frames",) if path == "frames" else ()
     stored = engine("store", server, 1000, 100, *flags)
@@ -42,6 +45,7 @@ def test_process_b_retrieves_what_process_a_stored(server, path):
     assert other["tokens"] == 100 and other["exact"]
 
 
+@pytest.mark.slow
 def test_restart_keeps_disk_hits(server):
     assert engine("store", server, 5000, 64)["stored"] == 4
     assert server.stop() == 0  # SIGTERM: pending disk writes are flushed
@@ -53,6 +57,7 @@ def test_restart_keeps_disk_hits(server):
     assert engine("retrieve", server, 5000, 64) == {"tokens": 64, "exact": True, "shared_memory": True}
 
 
+@pytest.mark.slow
 def test_killed_server_gives_misses_in_time_then_recovers(server):
     client = KvtierClient(server.url, timeout_s=0.5)
     client_cache = TokenCache(client)
@@ -77,6 +82,7 @@ def test_killed_server_gives_misses_in_time_then_recovers(server):
     client.close()
 
 
+@pytest.mark.slow
 def test_client_of_a_restarted_server_never_reads_the_old_arena(server):
     client = KvtierClient(server.url, timeout_s=2)
     client_cache = TokenCache(client)
@@ -146,6 +152,7 @@ def test_admin_token_protects_clear(tmp_path):
         ([], "--l1-size-gb"),
     ],
 )
+@pytest.mark.slow
 def test_bad_config_exits_2_naming_the_problem(flags, message):
     out = subprocess.run([sys.executable, "-m", "kvtier.cli", "server", *flags], capture_output=True, text=True,
                          timeout=30)
@@ -153,6 +160,7 @@ def test_bad_config_exits_2_naming_the_problem(flags, message):
     assert message in out.stderr
 
 
+@pytest.mark.slow
 def test_port_in_use_is_a_clear_error(server, tmp_path):
     clash = ServerProcess(tmp_path)
     clash.args[clash.args.index("--port") + 1] = str(server.port)
@@ -184,6 +192,7 @@ def test_only_unlocked_arena_files_are_cleared_and_nothing_else_in_shm_stops_a_s
         arena.close(unlink=True)
 
 
+@pytest.mark.slow
 def test_arena_of_a_killed_server_is_removed_by_the_next_one(server):
     from kvtier.wire.shm import SHM_DIR
 

@@ -29,6 +29,8 @@ from kvtier_testing.data_port_junk import dealer, open_session, pong_through, se
 from kvtier_testing.kvtier_processes import ServerProcess, free_port
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 
 #: a client's pool of slots reserved ahead, named where a test depends on one
 POOL = 256 << 20
@@ -106,6 +108,7 @@ def encoded_garbage():
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(first=encoded_garbage(), extra=st.lists(st.binary(max_size=100), max_size=3))
+@pytest.mark.slow
 def test_malformed_messages_get_an_error_reply_and_the_server_keeps_serving(raw_socket, first, extra):
     reply = ask(raw_socket, [first, *extra])
     assert isinstance(reply, (p.Error, p.Pong, p.HelloReply, p.StatusReply, p.LookupReply, p.ReleaseReply,
@@ -145,6 +148,7 @@ def frames_of_any_envelope():
     return st.lists(frame, min_size=1, max_size=8) | st.integers(100, 2000).map(lambda n: [b""] * n)
 
 
+@pytest.mark.slow
 def test_malformed_multipart_messages_never_wedge_the_server():
     with server_that_must_stop_in_time() as server, zmq.Context() as context:
         sock = dealer(context, server.config.port)
@@ -383,6 +387,7 @@ def test_a_store_and_a_load_are_one_round_trip_each_in_steady_state(server, monk
     assert server.service.status()["leases_and_reservations"] == 0  # close gave the pool back
 
 
+@pytest.mark.slow
 def test_pooled_reservations_of_a_killed_client_are_freed_after_the_lease_timeout(tmp_path):
     server = start_server(lease_timeout_s=1.0)
     script = f"""

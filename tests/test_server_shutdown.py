@@ -21,6 +21,8 @@ from kvtier_testing.data_port_junk import dealer, malformed_multipart, pong_thro
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 STOP_WITHIN_S = 5.0
 JUNK_CONNECTIONS = 50
 JUNK_LAST = 8  # twice the default number of workers
@@ -82,12 +84,14 @@ def server(tmp_path):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.slow
 def test_sigterm_after_random_bytes_on_the_data_port_stops_in_time(server, seed):
     send_random_connections(server.port, seed)
     assert server.get("/healthcheck") == {"status": "healthy"}
     assert_stops_cleanly_on_sigterm(server)
 
 
+@pytest.mark.slow
 def test_sigterm_after_malformed_multipart_messages_stops_in_time(server):
     send_malformed_multipart(server.port)
     assert server.get("/healthcheck") == {"status": "healthy"}
@@ -95,6 +99,7 @@ def test_sigterm_after_malformed_multipart_messages_stops_in_time(server):
 
 
 @pytest.mark.parametrize("path", ["shared-memory", "frames"])
+@pytest.mark.slow
 def test_server_serves_a_well_formed_client_after_junk(server, path):
     send_random_connections(server.port, seed=3)
     send_malformed_multipart(server.port)
@@ -120,6 +125,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_stop_that_hangs_is_ended_by_the_watchdog(tmp_path):
     server = ServerProcess(tmp_path)
     server.args[1:3] = ["-c", NEVER_CLOSING_STORE]

@@ -21,6 +21,8 @@ from kvtier.tiers.tenants import TenantQuota
 from kvtier_testing.tier_objects import key, obj, size
 from kvtier_testing.workload import NS
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 PAGE = ALIGNMENT
 TOKENS = 8  # one object: a header and 2 KiB of KV, one page of L1
 OBJECT = size(TOKENS)
@@ -311,6 +313,7 @@ def test_disk_guarantees_over_the_capacity_found_at_start_are_refused(tmp_path):
 # -- two tenants through a real `kvtier server` ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_server_scopes_eviction_to_each_tenant_and_reports_them(tmp_path):
     """Tenant a (capped in memory and on disk) stores through shared memory, tenant b (guaranteed
     in memory) through frames, then the default tenant floods L1: a's cap evicts only a's own, the

@@ -28,6 +28,8 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryTier
 from kvtier_testing.tier_objects import LAYOUT, key, obj, payload, size
 
+pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
+
 ROOMY = 1 << 20
 _prefixes = itertools.count()
 

@@ -70,6 +70,7 @@ def test_layout_follows_the_model(tiny_hf_model):
     assert layout.bytes_per_token == 4 * 2 * 2 * 64 * 4
 
 
+@pytest.mark.slow
 def test_exact_hit_gives_the_same_logits_and_tokens(tiny_hf_model, cached, texts):
     doc, tail_a, _ = texts
     prompt = doc[:600] + tail_a[:100]

@@ -133,6 +133,7 @@ def test_connector_config_modes():
     assert embedded.store.chunk_size == 512 and embedded.store.l2_adapters[0].base_path == "/tmp/kv"
 
 
+@pytest.mark.slow
 def test_connector_keeps_numba_out_of_vllm_processes():
     """vLLM 0.32's CPU worker breaks when numba is imported into its process."""
     code = (
