@@ -23,7 +23,7 @@ from kvtier.objects import ensure_sealed
 from kvtier.schema import GB, AdmissionName, EvictionPolicyName, Fraction, NonNegativeFraction, PositiveGB, WindowShare
 from kvtier.tiers.arena import Allocator, align_up, allocate_buffer
 from kvtier.tiers.base import Tier, TierUsage
-from kvtier.tiers.eviction import make_policy
+from kvtier.tiers.policy import make_policy
 from kvtier.tiers.tenants import TenantLedger, TenantQuota
 
 
