@@ -111,7 +111,7 @@ def _sealed_copy(view: memoryview) -> bytearray:
 def _arena_lease(arena: SharedArena, key: bytes, offset: int, size: int, lease: int) -> Lease:
     """A read-only view of a leased object in this process's mapping of the server's arena."""
     view = memoryview(arena.memory)[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size].toreadonly()
-    return Lease(key, view, offset, pinned=True, lease=lease)
+    return Lease(key, view, offset, in_arena=True, lease=lease)
 
 
 def _remaining_ms(deadline: float) -> int:
@@ -403,13 +403,13 @@ class KvtierClient:
             if offset >= 0:
                 leases.append(_arena_lease(arena, key, offset, size, reply.lease))
             else:
-                leases.append(Lease(key, next(frames), pinned=False, checked=False))
+                leases.append(Lease(key, next(frames), in_arena=False, checked=False))
         return leases
 
     def release(self, leases: Sequence[Lease]) -> None:
         """No round trip: the next request carries the release, or the flusher thread sends it
         after ``RELEASE_DELAY_S``."""
-        idents = {lease.lease for lease in leases if lease.pinned and lease.lease}
+        idents = {lease.lease for lease in leases if lease.in_arena and lease.lease}
         with self._lock:
             for ident in idents:
                 self._give_back((ident,), self._owners.pop(ident, self._session))

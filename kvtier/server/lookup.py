@@ -2,7 +2,7 @@
 
 A router asks, before it places a request, how long a prefix of the prompt each kvtier server
 could hand an engine, and from which tier. The answer comes from the key store's ``locate`` (the
-same walk an engine's lookup makes): ``contains`` in each tier, which pins nothing, promotes
+same walk an engine's lookup makes): ``contains`` in each tier, which leases nothing, promotes
 nothing and leaves eviction order alone, so probing many servers for every request never changes
 what they keep.
 
