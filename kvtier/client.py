@@ -3,8 +3,9 @@
 
 It is transport and failing open only: when the server is down, slow or answers with an error,
 a locate or acquire is a miss and a commit is dropped (all counted), and no call takes longer
-than ``timeout_s``. After a failure it waits ``backoff`` before asking again
-(calls meanwhile are instant misses), then reconnects by itself and says hello again.
+than ``timeout_s``. After a failure it waits a back-off (``BACKOFF_S`` doubling up to
+``MAX_BACKOFF_S``) before asking again (calls meanwhile are instant misses), then reconnects
+by itself and says hello again.
 
 KV bytes go through the server's shared-memory arena when this process can map it (same host,
 same user) and as message frames otherwise. Through shared memory a store and a load are one
@@ -32,6 +33,7 @@ from typing import Sequence
 import msgspec
 import zmq
 
+from kvtier.backoff import Backoff
 from kvtier.errors import ConfigError
 from kvtier.events import CacheEvent
 from kvtier.keys import ChunkSpan
@@ -43,6 +45,7 @@ from kvtier.wire.shm import ARENA_OFFSET, SharedArena, read_token
 
 log = logging.getLogger(__name__)
 
+BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
 #: How long a release waits for a request to carry it before it is sent alone.
 RELEASE_DELAY_S = 0.05
@@ -108,7 +111,7 @@ def _sealed_copy(view: memoryview) -> bytearray:
 def _arena_lease(arena: SharedArena, key: bytes, offset: int, size: int, lease: int) -> Lease:
     """A read-only view of a leased object in this process's mapping of the server's arena."""
     view = memoryview(arena.memory)[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size].toreadonly()
-    return Lease(key, view, offset, pinned=True, lease=lease)
+    return Lease(key, view, offset, in_arena=True, lease=lease)
 
 
 def _remaining_ms(deadline: float) -> int:
@@ -153,8 +156,7 @@ class KvtierClient:
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._lock = threading.RLock()
-        self._down_until = 0.0
-        self._backoff = 0.1
+        self._backoff = Backoff(BACKOFF_S, MAX_BACKOFF_S)
         self._scratch = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
         self._scratch_free = threading.Lock()  # held while a frames-mode write fills the scratch
         self.reserve_ahead_bytes = reserve_ahead_bytes
@@ -275,12 +277,12 @@ class KvtierClient:
                     if done and self._session == mine:
                         self._done = done + self._done  # not lost with the call: the next one carries them
                     raise
-                self._backoff = 0.1
+                self._backoff.succeeded()
                 return reply
         raise AssertionError("unreachable")
 
     def _ensure_connected(self, deadline: float) -> None:
-        if time.monotonic() < self._down_until:
+        if not self._backoff.available():
             self.stats.skipped_while_down += 1
             raise Unavailable("server recently unreachable")
         if self._socket is None:
@@ -311,8 +313,7 @@ class KvtierClient:
     def _failed(self) -> None:
         self._drop_socket()
         self.stats.reconnects += 1
-        self._down_until = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+        self._backoff.failed()
 
     def close(self) -> None:
         """Give back what is held (best effort: it expires on the server otherwise) and close."""
@@ -338,7 +339,7 @@ class KvtierClient:
     @property
     def reachable(self) -> bool:
         """False while the last call failed and calls are instant misses (a backoff)."""
-        return time.monotonic() >= self._down_until
+        return self._backoff.available()
 
     def ping(self) -> bool:
         try:
@@ -402,13 +403,13 @@ class KvtierClient:
             if offset >= 0:
                 leases.append(_arena_lease(arena, key, offset, size, reply.lease))
             else:
-                leases.append(Lease(key, next(frames), pinned=False, checked=False))
+                leases.append(Lease(key, next(frames), in_arena=False, checked=False))
         return leases
 
     def release(self, leases: Sequence[Lease]) -> None:
         """No round trip: the next request carries the release, or the flusher thread sends it
         after ``RELEASE_DELAY_S``."""
-        idents = {lease.lease for lease in leases if lease.pinned and lease.lease}
+        idents = {lease.lease for lease in leases if lease.in_arena and lease.lease}
         with self._lock:
             for ident in idents:
                 self._give_back((ident,), self._owners.pop(ident, self._session))

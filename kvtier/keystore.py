@@ -4,7 +4,7 @@ it lives in this process (``TieredStore``) or behind a socket (``KvtierClient``)
 Its methods name the two-phase life of data, so that no caller can forget a phase:
 
     find      locate(spans, partials)           the longest cached prefix of a key chain
-    read      acquire(keys) ... release(leases) objects pinned while the caller reads them
+    read      acquire(keys) ... release(leases) objects held while the caller reads them
     write     reserve(items) ... commit(slots)  a slot per object, filled by the caller, then
               (or abort(slots))                 made visible; an aborted slot was never seen
     watch     take_events()                     what changed since the last call
@@ -39,13 +39,13 @@ class Reservation:
 
 @dataclass(frozen=True)
 class Lease:
-    """A read-only view of one whole object, pinned until released. ``pinned=False``: a private
-    copy (nothing to release)."""
+    """A read-only view of one whole object, held in the store's arena until released.
+    ``in_arena=False``: a private copy (nothing to release)."""
 
     key: bytes
     view: memoryview
     offset: int = -1  # where the object starts in the store's (shared) arena; -1 for a copy
-    pinned: bool = True
+    in_arena: bool = True
     lease: int = 0  # the store's handle for it (a server's lease id)
     checked: bool = True  # False: the bytes crossed a socket and their checksum is still to verify
 

@@ -3,7 +3,7 @@ lower tiers.
 
     write:    reserve an L1 slot --fill--> commit --> (async, bounded) --> each lower tier
     locate:   keys of a prompt's chunks --> longest contiguous prefix found in L1 or below
-    acquire:  that prefix as pinned views; lower-tier hits are checked and promoted into L1
+    acquire:  that prefix as leased views; lower-tier hits are checked and promoted into L1
 
 Writes below L1 never block the caller: they go through a queue bounded in bytes, and when it is
 full the write is dropped and counted. Each lower tier has a write admission (write_admission.py):
@@ -63,7 +63,7 @@ class TieredStore:
         write_queue_bytes: int | None = None,
         write_admission: Sequence[str] = (),
     ) -> None:
-        """``write_queue_bytes`` bounds the L1 bytes pinned by pending lower-tier writes
+        """``write_queue_bytes`` bounds the L1 bytes held by pending lower-tier writes
         (default: a quarter of L1, so eviction always has room to work); ``write_admission``:
         per lower tier, which chunks are written there (write_admission.py; default ``all``)."""
         self.l1 = l1
@@ -151,7 +151,7 @@ class TieredStore:
 
     def release(self, leases: Sequence[Lease]) -> None:
         for lease in leases:
-            if lease.pinned:
+            if lease.in_arena:
                 self.l1.release(lease)
 
     def pinned(self, pin: Pin, keys: Sequence[bytes]) -> list[Lease] | None:
@@ -214,7 +214,7 @@ class TieredStore:
 
     def _promote(self, key: bytes) -> Lease | None:
         """Copy an object as it is from the first lower tier that has it into L1. Where L1 has
-        no room (every object pinned), the checked object comes back unpinned in its own buffer."""
+        no room (every object leased), the checked object comes back as a copy in its own buffer."""
         reservation: Reservation | None = None
         record, tenant = b"", ""
 
@@ -234,7 +234,7 @@ class TieredStore:
         else:
             return None
         if reservation is None:
-            return Lease(key, view.toreadonly(), pinned=False)
+            return Lease(key, view.toreadonly(), in_arena=False)
         self.l1.commit(reservation)
         self.stats.promotions += 1
         self.write_admission.promoted(key)

@@ -10,7 +10,7 @@ The invariants, checked after every move:
   (each key's object follows from the key, see ``object_of``), or a miss; never a key not stored;
 - every call is answered within its timeout (plus slack), and the server answers a lookup;
 - after the lease time, nothing is held: no lease or reservation, and a cleared L1 is empty;
-- one client's handles cannot affect another's: a lease named by another session stays pinned
+- one client's handles cannot affect another's: a lease named by another session stays held
   (its bytes intact through a clear and new stores), a slot named by another session can still
   be committed by its owner, and the server counts each such naming (kvtier_foreign_handles);
 - a request without a session, with one the server never gave, or a hello with a wrong token
@@ -332,10 +332,10 @@ class ServerFuzz(RuleBasedStateMachine):
             assert lease.key == key
             self.check_object(key, lease.view, "retrieve")
         self.count("retrieve_hits" if leases else "retrieve_misses")
-        pinned = [lease for lease in leases if lease.pinned and lease.lease]
-        if hold and pinned:
-            self.held.append(Held(f"client{c}", "lease", pinned[0].lease, [l.key for l in pinned],
-                                  [l.view for l in pinned], epoch=self.epoch, source=pinned))
+        in_arena = [lease for lease in leases if lease.in_arena and lease.lease]
+        if hold and in_arena:
+            self.held.append(Held(f"client{c}", "lease", in_arena[0].lease, [l.key for l in in_arena],
+                                  [l.view for l in in_arena], epoch=self.epoch, source=in_arena))
         else:
             client.release(leases)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtier.tiers import health as health_module
+from kvtier import backoff as backoff_module
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.health import Health
 
@@ -21,7 +21,7 @@ class Store:
 @pytest.fixture
 def clock(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(health_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(backoff_module.time, "monotonic", lambda: now[0])
     return now
 
 

@@ -16,7 +16,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.blocks import PagedKV, _runs, block_form
 from kvtier.integrations.vllm.common import GroupLayout
-from kvtier.integrations.vllm.device_copy import HostPins
+from kvtier.integrations.vllm.device_copy import PageLocks
 from kvtier.layout import KVLayout
 
 DEVICE = torch.device(os.environ.get("KVTIER_TEST_DEVICE", "cpu"))
@@ -98,7 +98,7 @@ def _physical_page(view: torch.Tensor, block: int) -> bytes:
 
 
 def _payload(pages: PagedKV, n: int) -> memoryview:
-    return memoryview(np.zeros(pages.payload_bytes(n), dtype=np.uint8))  # an ndarray: CUDA pins it
+    return memoryview(np.zeros(pages.payload_bytes(n), dtype=np.uint8))  # an ndarray: page-locked for CUDA
 
 
 COPIES = [None] if DEVICE.type == "cuda" else [True, False]  # numpy copies, torch's (the device path)
@@ -117,7 +117,7 @@ def test_pages_of_each_vllm_layout_round_trip_byte_for_byte(layout, host_copies,
     source.gather(src_ids, payload)
     source.synchronize()
     if DEVICE.type == "cuda":  # the payload's memory was page-locked for the copy
-        assert source._device.pins.pinned_bytes >= len(payload)
+        assert source._device.page_locks.locked_bytes >= len(payload)
     # the payload is each layer's pages in address order, block after block
     assert bytes(payload) == b"".join(_physical_page(v, b) for v in engine for b in src_ids)
     target.scatter(payload, len(src_ids), 0, dst_ids)
@@ -209,37 +209,37 @@ class _Driver:
         del self.registered[address]
 
 
-def test_a_mapping_is_pinned_whole_once_and_stays_mapped_while_pinned():
+def test_a_mapping_is_locked_whole_once_and_stays_mapped_while_locked():
     driver = _Driver()
-    pins = HostPins(driver.register, driver.unregister)
+    locks = PageLocks(driver.register, driver.unregister)
     arena = mmap.mmap(-1, 1 << 20)
     view = memoryview(arena)
-    assert pins.pin(view[4096:8192]) and pins.pin(view[65536:])
-    assert list(driver.registered.values()) == [1 << 20] and pins.pinned_bytes == 1 << 20
+    assert locks.lock(view[4096:8192]) and locks.lock(view[65536:])
+    assert list(driver.registered.values()) == [1 << 20] and locks.locked_bytes == 1 << 20
     ring = np.ones(1 << 16, dtype=np.uint8)
-    assert pins.pin(memoryview(ring[100:200])) and sorted(driver.registered.values()) == [1 << 16, 1 << 20]
-    assert not pins.pin(b"frame bytes") and not pins.pin(bytearray(10))  # not ours to lock
+    assert locks.lock(memoryview(ring[100:200])) and sorted(driver.registered.values()) == [1 << 16, 1 << 20]
+    assert not locks.lock(b"frame bytes") and not locks.lock(bytearray(10))  # not ours to lock
     view.release()
     with pytest.raises(BufferError):
-        arena.close()  # a pinned mapping cannot be unmapped under the device's copies
-    pins.close()
+        arena.close()  # a locked mapping cannot be unmapped under the device's copies
+    locks.close()
     assert driver.registered == {}
     arena.close()
 
 
-def test_a_mapping_nobody_holds_any_more_is_unpinned_and_freed():
+def test_a_mapping_nobody_holds_any_more_is_unlocked_and_freed():
     driver = _Driver()
-    pins = HostPins(driver.register, driver.unregister)
+    locks = PageLocks(driver.register, driver.unregister)
     old = mmap.mmap(-1, 1 << 20)
-    assert pins.pin(memoryview(old)[:10])
-    pins.pin(memoryview(old))  # still held by its owner: kept
+    assert locks.lock(memoryview(old)[:10])
+    locks.lock(memoryview(old))  # still held by its owner: kept
     assert len(driver.registered) == 1
     del old  # the client mapped a new arena (a server restart)
     new = mmap.mmap(-1, 1 << 21)
-    assert pins.pin(memoryview(new)[:10])
+    assert locks.lock(memoryview(new)[:10])
     assert list(driver.registered.values()) == [1 << 21]
-    refused = HostPins(lambda address, size: False, driver.unregister)
-    assert not refused.pin(memoryview(new)) and not refused.pin(memoryview(new))
+    refused = PageLocks(lambda address, size: False, driver.unregister)
+    assert not refused.lock(memoryview(new)) and not refused.lock(memoryview(new))
 
 
 def test_block_ids_are_cut_into_runs_of_consecutive_ids():

@@ -96,20 +96,20 @@ def test_watermark_and_ratio_follow_lmcache_semantics():
     assert t.contains([key(i) for i in range(9)]) == [False] * 3 + [True] * 6
 
 
-def test_pinned_object_is_never_evicted_or_overwritten():
+def test_leased_object_is_never_evicted_or_overwritten():
     t = tier(2, eviction_trigger_watermark=1.0, eviction_ratio=0.0)
     t.put([(key(1), obj(1))])
     lease = t.lease(key(1))
     before = bytes(lease.view)
     t.put([(key(2), obj(2))])
-    assert t.put([(key(3), obj(3))]) == [True]  # evicts 2, not the pinned 1
+    assert t.put([(key(3), obj(3))]) == [True]  # evicts 2, not the leased 1
     assert t.contains([key(1), key(2), key(3)]) == [True, False, True]
     assert t.put([(key(4), obj(4))]) == [True]  # evicts 3
     assert bytes(lease.view) == before
     t.release(lease)
 
 
-def test_put_fails_cleanly_when_everything_is_pinned():
+def test_put_fails_cleanly_when_everything_is_leased():
     t = tier(2, eviction_trigger_watermark=1.0, eviction_ratio=0.0)
     leases = []
     for i in (1, 2):
@@ -122,7 +122,7 @@ def test_put_fails_cleanly_when_everything_is_pinned():
     assert t.put([(key(3), obj(3))]) == [True]
 
 
-def test_delete_of_a_pinned_object_waits_for_its_reader():
+def test_delete_of_a_leased_object_waits_for_its_reader():
     t = tier(4)
     t.put([(key(1), obj(1))])
     lease = t.lease(key(1))

@@ -18,13 +18,14 @@ from kvtier.layout import KVLayout
 from kvtier.schema import convert
 from kvtier.store import TieredStore
 from kvtier.tiers import write_admission
-from kvtier.tiers.admission import TinyLFU
 from kvtier.tiers.capacity import CapacityBook
 from kvtier.tiers.disk import DiskTier, FsAdapterConfig
-from kvtier.tiers.eviction import LRU, CostAware, make_policy
+from kvtier.tiers.eviction import LRU, CostAware
 from kvtier.tiers.lineage import ChunkInfo, Lineage
 from kvtier.tiers.memory import L1Config, MemoryTier
+from kvtier.tiers.policy import make_policy
 from kvtier.tiers.sketch import FrequencySketch
+from kvtier.tiers.tinylfu import TinyLFU
 from kvtier.tiers.write_admission import WriteAdmission
 
 

@@ -157,7 +157,7 @@ def test_a_failing_instance_loses_no_request_and_is_skipped_then_retried(router_
         failed = router.instances[0]
         assert failed.counts["failures"] == 1  # tried once, then skipped while it backs off
         assert router.stats.retried == 1 and not failed.available()
-        failed.down_until = 0.0  # the back-off is over: the next request in its turn tries it again
+        failed.backoff.succeeded()  # the back-off is over: the next request in its turn tries it again
         ask(url)
         ask(url)
         assert failed.counts["failures"] == 2 and len(ok.seen) == 8

@@ -675,7 +675,7 @@ print(json.dumps({"ping": client.ping(), "stored": cache.store(NS, toks, fill_fo
 """
 
 
-def test_an_inline_read_never_pinned_for_longer_than_the_lease_timeout():
+def test_an_inline_read_never_held_for_longer_than_the_lease_timeout():
     """The objects of an inline retrieve stay leased until ZeroMQ has sent them; a reply that is
     never sent (a peer that never reads) gives them back at the lease timeout."""
     server = start_server(lease_timeout_s=0.5)

@@ -107,10 +107,10 @@ def test_store_stops_at_the_first_chunk_without_room():
     store = TieredStore(MemoryTier(2 * per_chunk, eviction_trigger_watermark=1.0, eviction_ratio=0), chunk_size=CHUNK)
     cache = TokenCache(store)
     tokens = np.arange(64)
-    with cache.retrieve(NS, tokens):  # nothing cached yet: nothing pinned
+    with cache.retrieve(NS, tokens):  # nothing cached yet: nothing leased
         pass
     cache.store(NS, tokens[:32], fill_for(tokens))
-    with cache.retrieve(NS, tokens):  # the two chunks are pinned: no room for more
+    with cache.retrieve(NS, tokens):  # the two chunks are leased: no room for more
         assert cache.store(NS, tokens, fill_for(tokens)) == 0
     assert cache.stats.failed_chunks == 1
 
@@ -181,7 +181,7 @@ def test_writes_below_l1_run_at_a_lower_priority_than_the_engine(tmp_path):
 
 
 def test_retrieve_from_a_start_reads_and_promotes_only_the_chunks_after_it(tmp_path):
-    """What an engine holds already (here the first two chunks) is not fetched, pinned or
+    """What an engine holds already (here the first two chunks) is not fetched, leased or
     promoted again: the retrieve starts at the first chunk that ends after ``start``."""
     tokens = np.arange(64)
     store, cache = only_on_disk(tmp_path, tokens)

@@ -1,5 +1,5 @@
 """Tenant quotas (kvtier/tiers/tenants.py) in the memory and disk tiers and through the store: a
-tenant over its max evicts only its own objects, nobody evicts a tenant below its guarantee, pins
+tenant over its max evicts only its own objects, nobody evicts a tenant below its guarantee, leases
 and capacities hold, and a store without quotas behaves as if tenants did not exist."""
 
 import argparse
@@ -71,7 +71,7 @@ def test_tenant_over_its_max_in_memory_evicts_its_own_objects_first():
     assert held(t, "a")["used_bytes"] == 3 * PAGE and held(t, "a")["evictions"] == 2 and held(t, "other")["evictions"] == 0  # b has no quota: "other"
 
 
-def test_put_over_max_is_refused_when_the_tenants_own_objects_are_pinned():
+def test_put_over_max_is_refused_when_the_tenants_own_objects_are_leased():
     t = memory(8, quota("a", "memory", max_bytes=2 * PAGE))
     put(t, 1, "a"), put(t, 2, "a"), put(t, 100, "b")
     leases = [t.lease(key(1)), t.lease(key(2))]
@@ -156,7 +156,7 @@ def test_tenant_under_its_guarantee_evicts_only_tenants_above_theirs(tmp_path):
 @pytest.mark.parametrize("medium", ["memory", "disk"])
 def test_random_puts_keep_every_promise(medium, tmp_path):
     """Property: under random puts of four tenants, reads and deletes, no tier exceeds its capacity,
-    no tenant holds more than its max, a pinned object stays, and no put of one tenant takes
+    no tenant holds more than its max, a leased object stays, and no put of one tenant takes
     another below its guarantee."""
     unit = PAGE if medium == "memory" else OBJECT + 1
     quotas = [quota("a", medium, max_bytes=4 * unit, guaranteed_bytes=2 * unit),
@@ -169,11 +169,11 @@ def test_random_puts_keep_every_promise(medium, tmp_path):
             tenant, i = rng.choice("abc_"), rng.randrange(60)
             tenant = "" if tenant == "_" else tenant
             before = {n: held(t, n)["used_bytes"] for n in ("a", "b")}
-            pinned = [lease.key for lease in leases]
+            leased = [lease.key for lease in leases]
             if medium == "memory" and rng.random() < 0.1:
                 if (lease := t.lease(key(i))) is not None:
                     leases.append(lease)
-            elif rng.random() < 0.05 and key(i) not in pinned:  # a pinned object goes only when deleted
+            elif rng.random() < 0.05 and key(i) not in leased:  # a leased object goes only when deleted
                 tenant = t.tenant_of(key(i))  # a delete is its owner's
                 t.delete([key(i)])
             else:
@@ -181,7 +181,7 @@ def test_random_puts_keep_every_promise(medium, tmp_path):
             usage = t.tenant_usage()
             assert t.usage().used_bytes <= t.capacity
             assert usage["a"]["used_bytes"] <= 4 * unit and usage["c"]["used_bytes"] <= 3 * unit
-            assert all(t.contains([k])[0] for k in pinned)
+            assert all(t.contains([k])[0] for k in leased)
             for name, guarantee in (("a", 2 * unit), ("b", 3 * unit)):
                 if name != tenant:  # a tenant's own put or delete may take it lower
                     assert usage[name]["used_bytes"] >= min(before[name], guarantee), (step, name)
@@ -332,7 +332,7 @@ def test_server_scopes_eviction_to_each_tenant_and_reports_them(tmp_path):
     server = ServerProcess(tmp_path, *flags, l1_gb=1 / 1024).start(timeout=60)  # L1: 64 objects
     a, b = KvtierClient(server.url, timeout_s=5), KvtierClient(server.url, timeout_s=5, use_shared_memory=False)
 
-    def written_below() -> bool:  # an object queued for the disk is pinned in L1 until written
+    def written_below() -> bool:  # an object queued for the disk is held in L1 until written
         status = server.get("/status")
         return status["tiers"][1]["stats"]["puts"] + status["store"]["failed_writes"] == status["store"]["queued_writes"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 import time
 from collections import Counter
 
@@ -43,9 +44,28 @@ def test_every_figure_names_a_field_of_the_connector_stats():
     from kvtier.integrations.vllm.scheduler import SchedulerStats
     from kvtier.integrations.vllm.worker import WorkerStats
 
-    fields = set(SchedulerStats().as_dict()) | set(vars(WorkerStats()))
+    fields = set(SchedulerStats().as_dict()) | set(WorkerStats().snapshot())
     assert {f.field for f in FIGURES} <= fields
     assert len({f.name for f in FIGURES}) == len(FIGURES)
+
+
+def test_worker_counters_bumped_from_several_threads_lose_nothing():
+    from kvtier.integrations.vllm.worker import WorkerStats
+
+    stats = WorkerStats()
+
+    def bump() -> None:
+        for _ in range(20_000):
+            stats.add(loads=1, load_bytes=3)
+            stats.add_labelled("save_bytes_by_group", 0, 1)
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    snapshot = stats.snapshot()
+    assert (snapshot["loads"], snapshot["load_bytes"], snapshot["save_bytes_by_group"]) == (80_000, 240_000, {0: 80_000})
 
 
 def test_stats_from_ranks_and_scheduler_sum_and_reduce_to_one_log_line():

@@ -5,7 +5,7 @@ For each instance the router estimates the work before the request's first token
 *prompt tokens computed*:
 
     cost = tokens not cached anywhere the instance can read
-         + tokens loaded from kvtier x that tier's cost per token (TIER_COSTS, by medium)
+         + tokens loaded from kvtier x that tier's cost per token (``Medium.load_cost``)
          + the prompt tokens still to compute of the requests sent there that have not started
            answering (the router's own estimates of them, until their first bytes arrive)
          + requests in flight there x ``queue_cost_tokens`` (each decoding request slows the steps)
@@ -32,16 +32,13 @@ import httpx
 import msgspec
 import zmq
 
+from kvtier.events import Medium
 from kvtier.router.instances import Instance
 from kvtier.router.policies import Policy, Routed
 from kvtier.router.vllm_prefix import BlockHasher, EventSubscriber, PrefixIndex
 
 log = logging.getLogger(__name__)
 
-#: Cost of loading one token's KV from a tier, in tokens computed. From bench/vllm_ttft.py on the
-#: tiny model: a prompt read from the server's L1 is ~30-60x faster than computed (memory); disk
-#: reads add a page-cache miss; remote tiers a network transfer.
-TIER_COSTS = {"memory": 0.03, "disk": 0.1, "redis": 0.2, "s3": 0.4}
 #: The cost of a tier kvtier reports that is none of these (a newer medium).
 UNKNOWN_TIER_COST = 0.5
 
@@ -64,7 +61,7 @@ class CacheAware(Policy):
         self.tokenizer = tokenizer
         self.namespace = namespace  # None: vLLM's own caches only
         self.queue_cost_tokens = queue_cost_tokens
-        self.tier_costs = {**TIER_COSTS, **(tier_costs or {})}
+        self.tier_costs = {**{m.value: m.load_cost for m in Medium}, **(tier_costs or {})}
         self.hasher = BlockHasher(hash_algorithm)
         self.index = PrefixIndex()
         self._context = zmq.Context()

@@ -7,8 +7,9 @@ request that ranks it; a success clears it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+
+from kvtier.backoff import Backoff
 
 BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
@@ -21,21 +22,18 @@ class Instance:
     kvtier: str | None = None  # HTTP address of the kvtier server this instance loads from
     in_flight: int = 0  # requests sent and not finished
     prefill_tokens: float = 0.0  # estimated prompt tokens still to compute of requests not yet answering
-    failures: int = 0  # in a row
-    down_until: float = 0.0  # time.monotonic() before which it is skipped
+    backoff: Backoff = field(default_factory=lambda: Backoff(BACKOFF_S, MAX_BACKOFF_S))  # skipped while it waits
     counts: dict = field(default_factory=lambda: {"requests": 0, "failures": 0})
 
-    def available(self, now: float | None = None) -> bool:
-        return (now if now is not None else time.monotonic()) >= self.down_until
+    def available(self) -> bool:
+        return self.backoff.available()
 
     def failed(self) -> None:
-        self.failures += 1
         self.counts["failures"] += 1
-        self.down_until = time.monotonic() + min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (self.failures - 1))
+        self.backoff.failed()
 
     def succeeded(self) -> None:
-        self.failures = 0
-        self.down_until = 0.0
+        self.backoff.succeeded()
 
     def status(self) -> dict:
         return {"url": self.url, "in_flight": self.in_flight, "prefill_tokens": round(self.prefill_tokens),

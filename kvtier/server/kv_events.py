@@ -85,7 +85,7 @@ class BlockIndex:
         if not gone:
             return []
         event = w.BlockRemoved(
-            block_hashes=gone, medium=w.MEDIUMS[tier.medium], group_idx=published.group,
+            block_hashes=gone, medium=tier.medium.kv_event_medium, group_idx=published.group,
             locality=w.LOCALITY, ownership=tier.name,
         )
         return [(published.topic, event)]
@@ -119,7 +119,7 @@ def _stored_runs(tier: Tier, record: BlockRecord, new: list[bool]) -> Iterable[w
             token_ids=record.token_ids[i * bs : j * bs],
             block_size=bs,
             lora_id=record.lora_id,
-            medium=w.MEDIUMS[tier.medium],
+            medium=tier.medium.kv_event_medium,
             lora_name=record.lora_name,
             extra_keys=record.extra_keys[i:j] if record.extra_keys is not None else None,
             group_idx=record.group_idx,

@@ -2,7 +2,7 @@
 
 A router asks, before it places a request, how long a prefix of the prompt each kvtier server
 could hand an engine, and from which tier. The answer comes from the key store's ``locate`` (the
-same walk an engine's lookup makes): ``contains`` in each tier, which pins nothing, promotes
+same walk an engine's lookup makes): ``contains`` in each tier, which leases nothing, promotes
 nothing and leaves eviction order alone, so probing many servers for every request never changes
 what they keep.
 
@@ -38,7 +38,6 @@ import msgspec
 
 from kvtier.config import TokenizerSource
 from kvtier.errors import ConfigError
-from kvtier.events import Medium
 from kvtier.keys import LazyPartials, Namespace, canonical_tokens, prefix_keys
 from kvtier.layout import KVLayout
 
@@ -133,10 +132,10 @@ class LookupApi:
         self.store = store
         self.metrics = metrics
         self.tokenizers = tokenizers or Tokenizers()
-        #: Memory and disk answer ``contains`` from an in-memory index in microseconds: such a
-        #: lookup runs on the event loop (a thread hop costs more than it). A remote tier's
-        #: answer is a network round trip: off the loop.
-        self.quick = all(tier.medium in (Medium.MEMORY, Medium.DISK) for tier in store.tiers)
+        #: Over tiers whose medium answers ``contains`` in microseconds a lookup runs on the
+        #: event loop (a thread hop costs more than it); a remote tier's answer is a network
+        #: round trip: off the loop.
+        self.quick = all(tier.medium.quick_contains for tier in store.tiers)
 
     @staticmethod
     def parse(body: bytes) -> LookupRequest:

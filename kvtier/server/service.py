@@ -33,7 +33,7 @@ from kvtier.wire.shm import ARENA_OFFSET, SharedArena
 
 log = logging.getLogger(__name__)
 
-#: What ``handle`` returns: frames to send, and what to do once they are sent (release pins).
+#: What ``handle`` returns: frames to send, and what to do once they are sent (release leases).
 Response = tuple[list, Callable[[], None] | None]
 
 
@@ -420,22 +420,22 @@ class CacheService:
             return self._error("stale-arena", "retrieve names another arena; say hello again")
         inline = request.inline or self.arena.path is None
         # Objects that cross a socket carry their checksum; with an arena, only those that came
-        # back unpinned (copies, from a lower tier, already checked) do.
+        # back as copies ( from a lower tier, already checked) do.
         leases = self.store.acquire(request.keys, checksum=inline)
         self.metrics.retrieve_bytes.observe(sum(len(lease.view) for lease in leases))
-        offsets = [-1 if inline or not lease.pinned else lease.offset for lease in leases]
+        offsets = [-1 if inline or not lease.in_arena else lease.offset for lease in leases]
         sizes = [len(lease.view) for lease in leases]
         out = [lease.view for lease, offset in zip(leases, offsets) if offset < 0]
         if inline:  # leased until ZeroMQ has sent them, or the lease timeout (the client's checksum
-            # check refuses what changed meanwhile): a peer that never reads cannot pin memory for ever
+            # check refuses what changed meanwhile): a peer that never reads cannot hold memory for ever
             reply = [p.encode(p.RetrieveReply(lease=0, offsets=offsets, sizes=sizes)), *out]
             if not leases:
                 return reply, None
             ident = self._hold(_Held(self._deadline(), request.session, leases=leases))
             return reply, lambda: self._give_back([ident], request.session)
-        # Objects that came back unpinned travel as frames; the rest stay leased until released.
-        pinned = [lease for lease in leases if lease.pinned]
-        ident = self._hold(_Held(self._deadline(), request.session, leases=pinned)) if pinned else 0
+        # Objects that came back as copies travel as frames; the rest stay leased until released.
+        in_arena = [lease for lease in leases if lease.in_arena]
+        ident = self._hold(_Held(self._deadline(), request.session, leases=in_arena)) if in_arena else 0
         return self._reply(p.RetrieveReply(lease=ident, offsets=offsets, sizes=sizes), *out)
 
     def _release(self, request: p.Release, frames: list) -> Response:

@@ -44,7 +44,7 @@ from kvtier.schema import GB, AdmissionName, EvictionPolicyName, PositiveGB, Win
 from kvtier.tiers.arena import ALIGNMENT, align_up
 from kvtier.tiers.base import AdapterConfig, Tier, TierUsage
 from kvtier.tiers.capacity import CapacityBook
-from kvtier.tiers.eviction import make_policy
+from kvtier.tiers.policy import make_policy
 from kvtier.tiers.tenants import TenantLedger, TenantQuota, valid_tenant
 
 logger = logging.getLogger(__name__)

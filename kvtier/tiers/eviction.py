@@ -1,7 +1,7 @@
 """Eviction policies: which object goes first when a tier needs room.
 
 A policy only orders keys; the tier decides how much to evict and skips objects a reader holds.
-``make_policy`` builds one by name, optionally behind a TinyLFU admission window (admission.py).
+``policy.make_policy`` builds one by name, optionally behind a TinyLFU admission window (tinylfu.py).
 
 - ``LRU``: least recently stored or read first. ``FIFO``: first stored first. ``LFU``: least read
   first, ties to the least recently used.
@@ -20,7 +20,6 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from kvtier.errors import ConfigError
 from kvtier.tiers.lineage import ChunkInfo
 
 #: Prompt position (tokens) at which a token's attention costs about as much as the rest of its
@@ -206,21 +205,3 @@ class CostAware(EvictionPolicy):
                 if not children[parent] and parent in entries:
                     heapq.heappush(heap, (entries[parent].priority, parent))
 
-
-POLICIES = {"LRU": LRU, "FIFO": FIFO, "LFU": LFU, "COST": CostAware}
-
-
-def make_policy(name: str, admission: str = "none", window_share: float = 0.01) -> EvictionPolicy:
-    """The policy called ``name``; with ``admission="tinylfu"``, behind a W-TinyLFU admission
-    window taking ``window_share`` of the tier's bytes (admission.py)."""
-    try:
-        policy = POLICIES[name.upper()]()
-    except (KeyError, AttributeError):
-        raise ConfigError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    if admission == "none":
-        return policy
-    if admission == "tinylfu":
-        from kvtier.tiers.admission import TinyLFU
-
-        return TinyLFU(policy, window_share)
-    raise ConfigError(f"unknown admission {admission!r}; choose one of ['none', 'tinylfu']")

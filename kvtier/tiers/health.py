@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from abc import abstractmethod
 from typing import Callable
 
+from kvtier.backoff import Backoff
 from kvtier.tiers.base import Tier, TierStats
 
 logger = logging.getLogger(__name__)
@@ -38,12 +38,9 @@ class Health:
         self.name = name
         self._probe = probe
         self._stats = stats
-        self._initial_backoff = initial_backoff_s
-        self._max_backoff = max_backoff_s
         self._lock = threading.Lock()
         self._healthy = False
-        self._backoff = initial_backoff_s
-        self._next_probe: float | None = None  # None: never probed
+        self._backoff = Backoff(initial_backoff_s, max_backoff_s)  # cleared while healthy
         self._probing = False
         for counter in ("timeouts", "skipped", "dropped_puts"):
             stats.extra[counter] = 0
@@ -59,7 +56,7 @@ class Health:
         with self._lock:
             if self._healthy:
                 return True
-            if self._probing or (self._next_probe is not None and time.monotonic() < self._next_probe):
+            if self._probing or not self._backoff.available():
                 self._stats.extra["skipped"] += 1
                 return False
             self._probing = True
@@ -72,18 +69,18 @@ class Health:
         except Exception as e:  # whatever the probe raises, the store is not usable
             with self._lock:
                 self._probing = False
-                if self._healthy or self._next_probe is None:
+                if self._healthy or not self._backoff.failures:  # up until now, or never probed
                     self._went_down(e)
                 else:
-                    self._backoff = min(self._backoff * 2, self._max_backoff)
-                    self._next_probe = time.monotonic() + self._backoff
-                    logger.debug("%s still unreachable (%s); next try in %.1f s", self.name, e, self._backoff)
+                    wait = self._backoff.failed()
+                    logger.debug("%s still unreachable (%s); next try in %.1f s", self.name, e, wait)
             return False
         with self._lock:
             self._probing = False
             if not self._healthy:
                 logger.info("%s is reachable", self.name)
             self._healthy = True
+            self._backoff.succeeded()
             self._stats.extra["healthy"] = 1
         return True
 
@@ -103,11 +100,10 @@ class Health:
     def _went_down(self, error: BaseException) -> None:
         self._healthy = False
         self._stats.extra["healthy"] = 0
-        self._backoff = self._initial_backoff
-        self._next_probe = time.monotonic() + self._backoff
+        wait = self._backoff.failed()  # the first failure in a row (the backoff is clear while healthy)
         logger.warning(
             "%s is unreachable (%s: %s); skipping it, next try in %.0f s",
-            self.name, type(error).__name__, error, self._backoff,
+            self.name, type(error).__name__, error, wait,
         )
 
 

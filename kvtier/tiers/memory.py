@@ -1,4 +1,4 @@
-"""L1: a memory tier on a preallocated arena, with inline eviction and reader pins.
+"""L1: a memory tier on a preallocated arena, with inline eviction and leases (an object leased is never evicted).
 
 Writes are two-phase (``reserve`` a slot, fill it, ``commit``) so that a half-written object is
 never visible; reads are leases (``lease``, read the view, ``release``) so that an object a reader
@@ -23,7 +23,7 @@ from kvtier.objects import ensure_sealed
 from kvtier.schema import GB, AdmissionName, EvictionPolicyName, Fraction, NonNegativeFraction, PositiveGB, WindowShare
 from kvtier.tiers.arena import Allocator, align_up, allocate_buffer
 from kvtier.tiers.base import Tier, TierUsage
-from kvtier.tiers.eviction import make_policy
+from kvtier.tiers.policy import make_policy
 from kvtier.tiers.tenants import TenantLedger, TenantQuota
 
 
@@ -64,7 +64,7 @@ class _Slot:
     size: int  # bytes of the object
     reserved: int  # bytes taken in the arena (aligned)
     committed: bool = False
-    pins: int = 0
+    leases: int = 0  # held by readers: the object is neither freed nor evicted until they are released
     record: bytes = b""  # the engine's block record (kvtier.events), if it gave one
     tenant: str = ""  # whose object it is (tenants.py); empty: the default tenant
 
@@ -116,7 +116,7 @@ class MemoryTier(Tier):
     def reserve(self, key: bytes, size: int, record: bytes = b"", tenant: str = "") -> Reservation | None:
         """A slot for an object of ``size`` bytes (and its block ``record``) owned by ``tenant``,
         evicting inline if needed. None if the key is already stored or being written, or if no
-        room can be made (all pinned, too big, or not within the tenant's quota)."""
+        room can be made (all leased, too big, or not within the tenant's quota)."""
         needed = align_up(size)
         with self._lock:
             if key in self._slots:
@@ -182,7 +182,7 @@ class MemoryTier(Tier):
             if slot is None or not slot.committed:
                 self.stats.misses += 1
                 return None
-            slot.pins += 1
+            slot.leases += 1
             self._policy.accessed(key)
             self.stats.hits += 1
             self.stats.get_bytes += slot.size
@@ -192,11 +192,11 @@ class MemoryTier(Tier):
         with self._lock:
             slot = self._slots.get(lease.key)
             if slot is not None and slot.offset == lease.offset:
-                slot.pins -= 1
+                slot.leases -= 1
                 return
             slot = self._doomed[lease.offset]
-            slot.pins -= 1
-            if slot.pins == 0:
+            slot.leases -= 1
+            if slot.leases == 0:
                 del self._doomed[lease.offset]
                 self._free(slot)
 
@@ -225,7 +225,7 @@ class MemoryTier(Tier):
     def ensure_sealed(self, lease: Lease) -> None:
         """Give a leased object its checksum in place (objects.ensure_sealed) before it leaves
         memory: to a lower tier, or over a socket."""
-        if lease.pinned:
+        if lease.in_arena:
             ensure_sealed(self._arena[lease.offset : lease.offset + len(lease.view)])
 
     def put(
@@ -306,7 +306,7 @@ class MemoryTier(Tier):
         if used + needed > self._trigger:
             self._evict(self._trigger - self._evict_extra - needed, tenant)
         offset = self._allocator.allocate(needed)
-        if offset is None:  # fragmented or pinned: evict one by one until it fits
+        if offset is None:  # fragmented or leased: evict one by one until it fits
             for key in list(self._victims(tenant)):
                 self._evict_one(key)
                 offset = self._allocator.allocate(needed)
@@ -320,7 +320,7 @@ class MemoryTier(Tier):
         may_go = self._tenants.victim_filter(tenant)
         for key in self._policy.candidates():
             slot = self._slots[key]
-            if slot.pins == 0 and (may_go is None or may_go(slot.tenant, slot.reserved)):
+            if slot.leases == 0 and (may_go is None or may_go(slot.tenant, slot.reserved)):
                 yield key
 
     def _evict(self, target_used: float, tenant: str) -> None:
@@ -336,13 +336,13 @@ class MemoryTier(Tier):
 
     def _evict_own(self, tenant: str, excess: int) -> bool:
         """Evict ``tenant``'s own objects until ``excess`` bytes are free under its max; evicts
-        nothing and says False where that cannot be done (its other objects are pinned)."""
+        nothing and says False where that cannot be done (its other objects are leased)."""
         victims = []
         for key in self._policy.candidates():
             if excess <= 0:
                 break
             slot = self._slots[key]
-            if slot.pins == 0 and self._tenants.same(slot.tenant, tenant):
+            if slot.leases == 0 and self._tenants.same(slot.tenant, tenant):
                 victims.append(key)
                 excess -= slot.reserved
         if excess > 0:
@@ -365,7 +365,7 @@ class MemoryTier(Tier):
             return False
         self._policy.removed(key)
         del self._slots[key]
-        if slot.pins:
+        if slot.leases:
             self._doomed[slot.offset] = slot
         else:
             self._free(slot)

@@ -12,7 +12,7 @@ A quota names a tenant and a tier, with a ``max`` and a ``guaranteed`` share of 
   refused (counted: ``refused_puts``), and no other tenant's object goes for it.
 - **guaranteed**: room made for another tenant's put never takes this tenant below its
   guaranteed bytes: its objects are skipped as victims while it holds no more than that.
-- Everything else is as without quotas: victims in policy order, pins never evicted, the capacity
+- Everything else is as without quotas: victims in policy order, leased objects never evicted, the capacity
   never exceeded. A tenant with no quota on a tier has neither bound there; a tier without
   quotas behaves exactly as before (the checks are skipped).
 

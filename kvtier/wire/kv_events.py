@@ -29,10 +29,8 @@ from typing import Any
 
 import msgspec
 
-from kvtier.events import ExternalHash, Medium
+from kvtier.events import ExternalHash
 
-#: vLLM's medium names for where blocks are (``MEDIUM_CPU``, ``MEDIUM_STORAGE``).
-MEDIUMS = {Medium.MEMORY: "CPU", Medium.DISK: "STORAGE"}
 LOCALITY = "LOCAL"
 #: The seq frame of the end-of-replay marker: -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

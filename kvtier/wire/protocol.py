@@ -20,12 +20,12 @@ writes whole sealed objects into them, ``Commit`` makes them visible (or ``Abort
 Slots may be reserved *ahead* (``ahead`` sizes in ``Reserve`` and ``Commit``): unnamed until the
 ``Commit`` that names the key of the object written into each, so a client that keeps a pool of
 them stores with one round trip (fill, then ``Commit``, which refills the pool).
-Reads through shared memory are leases: ``Retrieve`` pins objects and says where they are,
-``Release`` unpins them. Any request may carry the handles its client is done with (``done``:
+Reads through shared memory are leases: ``Retrieve`` leases objects and says where they are,
+``Release`` gives them back. Any request may carry the handles its client is done with (``done``:
 leases to release, slots reserved ahead it will not fill), handled before the request itself, so
 a release costs no round trip of its own; ``Release`` alone is for when no request follows soon.
 Leases and slots expire after the server's lease timeout (``HelloReply.lease_timeout_s``), so a
-client that dies mid-way cannot pin memory for longer.
+client that dies mid-way cannot hold memory for longer.
 
 Every request but ``Hello`` and ``Ping`` names the ``session`` its client's hello opened
 (kvtier/server/sessions.py). A hello opens one for a process that proves it may map the arena

@@ -48,9 +48,9 @@ def _owner(buffer):
 
 
 @dataclass
-class _Pin:
+class _Locked:
     owner: object
-    hold: memoryview  # an export: the owner cannot be unmapped (mmap.close fails) while pinned
+    hold: memoryview  # an export: the owner cannot be unmapped (mmap.close fails) while locked
     address: int
     size: int
 
@@ -63,32 +63,32 @@ def _cudart_unregister(address: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
 
 
-class HostPins:
-    """The host mappings registered page-locked. A mapping is pinned whole, at its first copy,
-    and stays mapped while pinned (a view of it is held). One that nobody else holds any more
-    (the client mapped a new arena after a server restart) is unregistered at the next pin, and
+class PageLocks:
+    """The host mappings registered page-locked. A mapping is locked whole, at its first copy,
+    and stays mapped while locked (a view of it is held). One that nobody else holds any more
+    (the client mapped a new arena after a server restart) is unregistered at the next lock, and
     then freed. Memory another owner lends (bytes, a bytearray that could be resized) is never
-    pinned: copies from it are staged by the driver."""
+    locked: copies from it are staged by the driver."""
 
-    #: references to a pinned owner that are ours: the record, the held view, getrefcount's argument
+    #: references to a locked owner that are ours: the record, the held view, getrefcount's argument
     _OURS = 3
 
     def __init__(self, register: Callable[[int, int], bool] = _cudart_register,
                  unregister: Callable[[int], None] = _cudart_unregister) -> None:
         self._register, self._unregister = register, unregister
-        self._pins: dict[int, _Pin] = {}
+        self._locked: dict[int, _Locked] = {}
         self._refused = weakref.WeakValueDictionary()  # owners whose registration failed: not retried
-        self._lock = threading.Lock()  # loads and saves may come from different threads
+        self._mutex = threading.Lock()  # loads and saves may come from different threads
 
-    def pin(self, buffer) -> bool:
+    def lock(self, buffer) -> bool:
         """Whether ``buffer``'s memory is page-locked (registering its mapping now if need be)."""
-        with self._lock:
-            return self._pin(_owner(buffer))
+        with self._mutex:
+            return self._lock_owner(_owner(buffer))
 
-    def _pin(self, owner) -> bool:
+    def _lock_owner(self, owner) -> bool:
         key = id(owner)
-        pinned = self._pins.get(key)
-        if pinned is not None and pinned.owner is owner:
+        locked = self._locked.get(key)
+        if locked is not None and locked.owner is owner:
             return True
         self._drop_abandoned()
         if self._refused.get(key) is owner or not isinstance(owner, (mmap.mmap, np.ndarray)):
@@ -106,26 +106,26 @@ class HostPins:
             log.warning("kvtier: cannot page-lock %d bytes of host memory; copies from it are staged", size)
             self._refused[key] = owner
             return False
-        self._pins[key] = _Pin(owner, hold, address, size)
+        self._locked[key] = _Locked(owner, hold, address, size)
         return True
 
     @property
-    def pinned_bytes(self) -> int:
-        return sum(p.size for p in self._pins.values())
+    def locked_bytes(self) -> int:
+        return sum(p.size for p in self._locked.values())
 
     def _drop_abandoned(self) -> None:
-        for key, pinned in list(self._pins.items()):
-            if sys.getrefcount(pinned.owner) <= self._OURS:
+        for key, locked in list(self._locked.items()):
+            if sys.getrefcount(locked.owner) <= self._OURS:
                 self._release(key)
 
     def _release(self, key: int) -> None:
-        pinned = self._pins.pop(key)
-        self._unregister(pinned.address)
-        pinned.hold.release()
+        locked = self._locked.pop(key)
+        self._unregister(locked.address)
+        locked.hold.release()
 
     def close(self) -> None:
-        with self._lock:
-            for key in list(self._pins):
+        with self._mutex:
+            for key in list(self._locked):
                 self._release(key)
 
 
@@ -133,10 +133,10 @@ class DeviceCopies:
     """The copies of one device's KV: on CUDA on a stream of their own, between page-locked host
     memory and the device, their completion an event."""
 
-    def __init__(self, device: torch.device, pins: HostPins | None = None) -> None:
+    def __init__(self, device: torch.device, page_locks: PageLocks | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.pins = (pins or HostPins()) if self.cuda else None  # shared by twins: a mapping is registered once
+        self.page_locks = (page_locks or PageLocks()) if self.cuda else None  # shared by twins: a mapping is registered once
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
             self.engine_stream = torch.cuda.current_stream(device)  # built on the engine's thread
@@ -151,7 +151,7 @@ class DeviceCopies:
         if not self.cuda:
             yield self
             return
-        self.pins.pin(host)
+        self.page_locks.lock(host)
         self.stream.wait_stream(self.engine_stream)
         with torch.cuda.stream(self.stream):
             yield self

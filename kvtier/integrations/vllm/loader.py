@@ -186,7 +186,7 @@ class Loader:
             self._releaser.submit(retrieval.close)
         with self._results:
             self._samples += [LoadSample(tier, int(t), int(b), s) for tier, (t, b, s) in by_tier.items()]
-            self.worker.stats.probes += 1
+            self.worker.stats.add(probes=1)
 
     def retrieve(self, job: LoadJob, cache: TokenCache, g: int, by_tier: dict[str, list[float]],
                  count: bool = True) -> Retrieval:
@@ -223,8 +223,7 @@ class Loader:
             raise
         finally:
             if count:
-                self.worker.stats.retrieve_s += time.perf_counter() - asked
-                self.worker.stats.pinned_retrieves += pinned is not None
+                self.worker.stats.add(retrieve_s=time.perf_counter() - asked, pinned_retrieves=pinned is not None)
         if len(retrievals) == 1:
             return retrievals[0]
         return Retrieval([c for r in retrievals for c in r.chunks], lambda: [r.close() for r in retrievals])
@@ -258,8 +257,7 @@ class Loader:
         with self._results:
             self._samples += samples
             if done < job.end:
-                stats.failed_loads += 1
-                stats.failed_load_tokens += job.end - done
+                stats.add(failed_loads=1, failed_load_tokens=job.end - done)
                 self._short[job.req_id] = min(done, self._short.get(job.req_id, done))
                 if several:
                     self._failed.add(job.req_id)
@@ -269,12 +267,10 @@ class Loader:
                 self._finished.add(job.req_id)
                 self._in_flight -= 1
                 self._results.notify_all()
-                stats.async_loads += 1
-                stats.async_load_s += seconds
+                stats.add(async_loads=1, async_load_s=seconds)
             else:
-                stats.load_s += seconds
-            stats.loads += 1
-            stats.loaded_tokens += done - job.start
+                stats.add(load_s=seconds)
+            stats.add(loads=1, loaded_tokens=done - job.start)
         if done < job.end:
             log.warning("kvtier: loaded %d of %d tokens for request %s; vLLM recomputes the rest",
                         done - job.start, job.end - job.start, job.req_id)
@@ -323,7 +319,7 @@ def scatter(worker: "KvtierWorker", g: int, pages: PagedKV, job: LoadJob, retrie
         needed[lo:hi] = False
         written = True
         if count:
-            worker.stats.load_bytes += (hi - lo) * pages.page_bytes
+            worker.stats.add(load_bytes=(hi - lo) * pages.page_bytes)
     if group.retention == "state":  # the one block that holds the state at ``end``
         return job.end if written else job.start
     missing = np.flatnonzero(needed)

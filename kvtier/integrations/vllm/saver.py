@@ -149,8 +149,7 @@ class Saver:
         with self._cond:
             self._queue.append(_Staged(job, [[span for span, _ in group] for group in staged], offsets, fences, slots))
             self._cond.notify_all()
-        worker.stats.stage_s += time.perf_counter() - started
-        worker.stats.staged_to_slots += slots is not None
+        worker.stats.add(stage_s=time.perf_counter() - started, staged_to_slots=slots is not None)
 
     def _lend(self, job: SaveJob, staged: list[list[tuple[ChunkSpan, list[int]]]]):
         """Lent slots for every object staged, in order (``TokenCache.lend_spans``), or None."""
@@ -168,7 +167,7 @@ class Saver:
             first = span.start // bs
             ids = [block_ids[first + i] if first + i < len(block_ids) else NULL_BLOCK for i in layout.stored_blocks(span.num_tokens)]
             if NULL_BLOCK in ids:
-                self.worker.stats.unsaved_objects += 1
+                self.worker.stats.add(unsaved_objects=1)
                 continue
             objects.append((span, ids))
         return objects
@@ -178,7 +177,7 @@ class Saver:
         self._finished(job)
 
     def _drop(self, job: SaveJob) -> None:
-        self.worker.stats.dropped_saves += 1
+        self.worker.stats.add(dropped_saves=1)
         self._finished(job)
 
     def _finished(self, job: SaveJob) -> None:
@@ -208,7 +207,7 @@ class Saver:
             try:
                 self._store(staged)
             except Exception:
-                self.worker.stats.failed_saves += 1
+                self.worker.stats.add(failed_saves=1)
                 log.exception("kvtier: save for request %s failed", staged.job.req_id)
             finally:
                 if staged.slots is None:
@@ -230,15 +229,14 @@ class Saver:
         else:
             stored, written = self._store_from_ring(staged)
         if not stored and not self.cache.key_store.reachable:  # the server went away: the client dropped it
-            worker.stats.dropped_saves += 1
+            worker.stats.add(dropped_saves=1)
             return
-        worker.stats.saves += 1
-        worker.stats.saved_chunks += stored
+        worker.stats.add(saves=1, saved_chunks=stored)
         if stored:
-            worker.stats.save_bytes += sum(written)
+            worker.stats.add(save_bytes=sum(written))
             for g, size in enumerate(written):
-                worker.stats.save_bytes_by_group[g] = worker.stats.save_bytes_by_group.get(g, 0) + size
-        worker.stats.save_s += time.perf_counter() - started
+                worker.stats.add_labelled("save_bytes_by_group", g, size)
+        worker.stats.add(save_s=time.perf_counter() - started)
 
     def _store_from_ring(self, staged: _Staged) -> tuple[int, list[int]]:
         """Reserve, copy from the ring, seal and commit, group by group: the chunks stored, and

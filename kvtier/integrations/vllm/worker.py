@@ -28,7 +28,8 @@ has recomputed it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -50,6 +51,9 @@ log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
 @dataclass
 class WorkerStats:
+    """Running totals of one worker. The engine's thread, the loader, probe and saver threads
+    all bump them: through ``add`` (a ``+=`` from two threads can lose one), read by ``snapshot``."""
+
     loads: int = 0
     loaded_tokens: int = 0
     failed_loads: int = 0
@@ -72,6 +76,24 @@ class WorkerStats:
     failed_saves: int = 0
     unloaded_saves: int = 0  # save jobs not stored: a block they need did not load in their step
     save_s: float = 0.0  # in the saver thread
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def add_labelled(self, name: str, label: int, delta: int) -> None:
+        """Bump one label of a by-label total (``save_bytes_by_group``)."""
+        with self._lock:
+            by_label = getattr(self, name)
+            by_label[label] = by_label.get(label, 0) + delta
+
+    def snapshot(self) -> dict:
+        """Every total as it is now (by-label totals copied)."""
+        with self._lock:
+            return {f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
+                    for f in fields(self) if f.name != "_lock"}
 
 
 class KvtierWorker:
@@ -146,7 +168,7 @@ class KvtierWorker:
         for job in metadata.saves:
             unloaded = self.loader.first_not_loaded(job.block_ids[0]) if self.loader is not None else None
             if unloaded is not None:  # computed over a block that holds no KV: vLLM computes it again
-                self.stats.unloaded_saves += 1
+                self.stats.add(unloaded_saves=1)
                 spans = job.spans[self.tp_rank]
                 first = min([unloaded * self.block_size, *(s[0].start for s in spans if s)])
                 self._unstored[job.req_id] = min(first, self._unstored.get(job.req_id, first))
@@ -173,7 +195,7 @@ class KvtierWorker:
         return meta if jobs or meta.timed_step or meta.load_samples or unstored else None
 
     def figures(self) -> dict:
-        return totals(vars(self.stats))
+        return totals(self.stats.snapshot())
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The step's figures for vLLM's metrics (saves finished since the last step included)."""
