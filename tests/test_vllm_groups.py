@@ -1,6 +1,6 @@
 """Unit tests of how the vLLM connector caches each kind of KV-cache group: the layouts built
-from vLLM's own spec classes, what an object of each group holds, where a hit may end, and the
-copies of recurrent state (tensors of the layout vLLM registers, no engine)."""
+from vLLM's own spec classes, where a hit may end, and the copies of recurrent state (tensors of
+the layout vLLM registers, no engine); what each kind answers alone is in test_paged_groups.py."""
 
 from __future__ import annotations
 
@@ -98,25 +98,6 @@ def test_mla_keys_are_the_same_on_every_tensor_parallel_rank_and_attention_keys_
 
     assert keys(mla, 0) == keys(mla, 1)
     assert keys(full, 0) != keys(full, 1)
-
-
-# -- what an object holds -----------------------------------------------------------------------
-
-
-def test_objects_hold_every_block_the_window_before_their_end_or_one_state():
-    full = KVLayout(2, 2, 32, "float32", block_size=BLOCK)
-    window = dataclasses.replace(full, retention="window", lookback=40, group="sliding_window:40")
-    state = KVLayout(2, 1, 1, "uint8", block_size=BLOCK, retention="state", state_bytes=1000, group="mamba")
-    assert full.stored_blocks(64) == range(4) and full.stored_blocks(50) == range(4)
-    # a hit at the end (64) needs tokens [25, 64): blocks 1..3; at one before it [24, 63): also block 1
-    assert window.stored_blocks(64) == range(1, 4)
-    assert window.stored_blocks(30) == range(2)  # shorter than the window: all of it
-    assert window.payload_bytes(64) == 3 * BLOCK * window.bytes_per_token
-    assert state.stored_blocks(64) == range(3, 4) and state.payload_bytes(64) == state.payload_bytes(16) == 2000
-    with pytest.raises(ConfigError, match="lookback"):
-        dataclasses.replace(full, retention="window")
-    with pytest.raises(ConfigError, match="state_bytes"):
-        dataclasses.replace(full, state_bytes=10)
 
 
 # -- where a hit may end ------------------------------------------------------------------------

@@ -96,7 +96,7 @@ class GroupKind:
         return prompt_len
 
     def hit_ends(self, found: LookupResult | None) -> set[int] | None:
-        """The only ends a hit may have for this group (None: any block boundary)."""
+        """The only ends a hit may have for this group (None: any end up to its longest hit)."""
         return None
 
     def hit_spans(self, keys: PrefixKeys, found: LookupResult | None, hit: int) -> list[ChunkSpan]:
