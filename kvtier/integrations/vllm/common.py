@@ -1,7 +1,7 @@
 """What the scheduler side and the worker side of the connector share: the KV layout read from
 vLLM (one ``GroupLayout`` per KV-cache group: full attention, MLA, sliding window, chunked local,
-Mamba/GDN state; kvtier/paged/groups.py says what each kind needs), the namespaces of a request, and the metadata
-the scheduler sends the workers each step.
+Mamba/GDN state; kvtier/paged/groups.py says what each kind needs), the namespaces of a request,
+and the metadata the scheduler sends the workers each step.
 
 Blocks and chunks
 -----------------
