@@ -7,6 +7,7 @@ import logging
 import math
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,8 +51,12 @@ def test_fit_recovers_latency_and_rate():
 
 def test_fit_never_answers_a_negative_cost():
     fit = RobustFit((1.0, 1024.0), half_life_s=60.0, gap_s=30.0)
-    for tokens, seconds in [(256, 0.010), (4096, 0.001), (1024, 0.006)]:  # bigger reads faster: noise
+    samples = [(256, 0.010), (4096, 0.001), (1024, 0.006)]  # bigger reads faster: noise
+    for tokens, seconds in samples:
         fit.add((1.0, tokens), seconds, now=0.0)
+    # the control: plain least squares over the same samples answers a negative cost per token
+    plain = np.linalg.lstsq(np.array([(1.0, t) for t, _ in samples]), np.array([s for _, s in samples]), rcond=None)[0]
+    assert plain[1] < 0
     assert min(fit.coefficients()) >= 0
 
 
