@@ -5,7 +5,10 @@ package reaches above itself to the checkout, and bench/ and tests/ import both 
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,3 +77,25 @@ def test_the_climb_counter_sees_both_spellings():
     assert _levels_climbed(".parent") == 1
     line = 'ROOT = Path(__file__).resolve().parents[3]'
     assert _levels_climbed(_CLIMB.search(line)["chain"]) == 4
+
+
+def _vllm_modules_after(statement: str, pythonpath: Path | None = None) -> list[str]:
+    """The vllm* modules a fresh interpreter holds after running ``statement``."""
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    probe = f"import sys; {statement}; print(sorted(m for m in sys.modules if m.split('.')[0].startswith('vllm')))"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, check=True, capture_output=True, text=True).stdout
+    return ast.literal_eval(out.strip())
+
+
+def test_the_planner_runs_without_vllm():
+    """kvtier.paged decides apart from the engine: its tests need no vLLM, and a change of vLLM
+    reaches it only through the adapter (kvtier.integrations.vllm)."""
+    assert _vllm_modules_after("import kvtier.paged.planner") == []
+
+
+def test_the_vllm_check_sees_an_import_of_vllm(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")  # a stand-in: the real one takes seconds to import
+    assert _vllm_modules_after("import kvtier.paged.planner; import vllm", tmp_path) == ["vllm"]

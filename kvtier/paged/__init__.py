@@ -1,0 +1,1 @@
+"""The scheduler side of kvtier over vLLM's paged KV cache, apart from vLLM itself."""
