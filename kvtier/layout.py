@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import blake3
 
 from kvtier.errors import ConfigError
+from kvtier.paged.groups import RETENTIONS
 
 #: Element sizes in bytes of the dtypes engines store KV in. The order gives each dtype its id in
 #: object headers: append only.
@@ -27,15 +28,6 @@ DTYPE_SIZES = {
 
 DTYPE_IDS = {name: i for i, name in enumerate(DTYPE_SIZES)}
 FINGERPRINT_SIZE = 16
-
-
-#: What an object of a span [start, end) holds (``KVLayout.retention``):
-#:   all     every token's KV (full attention, MLA)
-#:   window  the KV of the ``lookback`` tokens before the span's end, in whole blocks (sliding
-#:           window, chunked local attention: a hit at the end needs no more)
-#:   state   one block of recurrent state per layer, the state after the span's last token
-#:           (Mamba, Gated DeltaNet): ``state_bytes`` per layer, whatever the span's length
-RETENTIONS = ("all", "window", "state")
 
 
 @dataclass(frozen=True)
@@ -60,7 +52,7 @@ class KVLayout:
     group: str = "kv"
     arrangement: str = "hf-layer-kv-hnd"
     kv_parts: int = 2
-    retention: str = "all"
+    retention: str = "all"  # what an object of a span holds (kvtier/paged/groups.py)
     lookback: int = 0
     state_bytes: int = 0
 
@@ -77,37 +69,32 @@ class KVLayout:
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"KVLayout.{name} must be a non-empty string")
         if self.retention not in RETENTIONS:
-            raise ConfigError(f"KVLayout.retention must be one of {RETENTIONS}, got {self.retention!r}")
-        for name, needed in (("lookback", "window"), ("state_bytes", "state")):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value > 0) != (self.retention == needed):
-                raise ConfigError(f"KVLayout.{name} must be a positive integer with retention {needed!r}, else 0; got {value!r}")
+            raise ConfigError(f"KVLayout.retention must be one of {tuple(RETENTIONS)}, got {self.retention!r}")
+        for needed, kind in RETENTIONS.items():
+            if not kind.parameter:
+                continue
+            value = getattr(self, kind.parameter)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value > 0) != (kind is RETENTIONS[self.retention]):
+                raise ConfigError(
+                    f"KVLayout.{kind.parameter} must be a positive integer with retention {needed!r}, else 0; got {value!r}"
+                )
 
     @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token over all layers (keys and values); 0 for recurrent state."""
-        if self.retention == "state":
+        if RETENTIONS[self.retention].keeps_state:
             return 0
         return self.num_layers * self.kv_parts * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
 
     def stored_blocks(self, num_tokens: int) -> range:
         """The blocks of a span of ``num_tokens`` tokens (from a block boundary) its object
         holds, counted from the span's first block."""
-        blocks = -(-num_tokens // self.block_size)
-        if self.retention == "state":
-            return range(blocks - 1, blocks)
-        if self.retention == "window":
-            return range(max(0, (num_tokens - self.lookback) // self.block_size), blocks)
-        return range(blocks)
+        return RETENTIONS[self.retention].stored_blocks(self, num_tokens)
 
     def payload_bytes(self, num_tokens: int) -> int:
-        """Raw bytes of an object of ``num_tokens`` tokens: whole blocks, because an engine
-        copies whole pages of ``block_size`` tokens (a prompt's last, partial block is stored as
-        its whole page; the slots past the prompt are never read); for recurrent state, one
-        state per layer."""
-        if self.retention == "state":
-            return self.num_layers * self.state_bytes
-        return len(self.stored_blocks(num_tokens)) * self.block_size * self.bytes_per_token
+        """Raw bytes of an object of ``num_tokens`` tokens (whole blocks; for recurrent state,
+        one state per layer)."""
+        return RETENTIONS[self.retention].payload_bytes(self, num_tokens)
 
     def canonical_bytes(self) -> bytes:
         """A stable encoding of every field: sorted JSON, so field order never matters. Fields

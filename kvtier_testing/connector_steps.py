@@ -28,6 +28,7 @@ from kvtier.integrations.vllm.scheduler import KvtierScheduler
 from kvtier.integrations.vllm.worker import KvtierWorker
 from kvtier.keys import ChunkSpan, prefix_keys
 from kvtier.layout import KVLayout
+from kvtier.paged.groups import FullAttention
 
 LAYERS, HEADS, HEAD_SIZE = 2, 2, 32
 BLOCK, CHUNK = 16, 32
@@ -37,7 +38,7 @@ GARBAGE = 4.0
 def engine_layout() -> EngineLayout:
     """One full-attention group of ``LAYERS`` layers, vLLM's CPU page layout [block, heads, tokens, K and V]."""
     layout = KVLayout(LAYERS, HEADS, HEAD_SIZE, "float32", block_size=BLOCK, arrangement="connector-steps")
-    group = GroupLayout(0, "full", tuple(f"layer{i}" for i in range(LAYERS)), (BLOCK * layout.bytes_per_token // LAYERS,), layout)
+    group = GroupLayout(0, FullAttention(), tuple(f"layer{i}" for i in range(LAYERS)), (BLOCK * layout.bytes_per_token // LAYERS,), layout)
     return EngineLayout("tiny", "", (group,), BLOCK, 1, layout.arrangement)
 
 

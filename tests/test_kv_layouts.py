@@ -18,6 +18,7 @@ from kvtier.integrations.vllm.blocks import PagedKV, _runs, block_form
 from kvtier.integrations.vllm.common import GroupLayout
 from kvtier.integrations.vllm.device_copy import PageLocks
 from kvtier.layout import KVLayout
+from kvtier.paged.groups import MLA, FullAttention
 
 DEVICE = torch.device(os.environ.get("KVTIER_TEST_DEVICE", "cpu"))
 L, B, N, H, D = 3, 20, 16, 2, 8  # layers, blocks, tokens a block, KV heads, head size
@@ -73,7 +74,7 @@ def _group(views: list[torch.Tensor]) -> GroupLayout:
     layout = KVLayout(L, 1 if mla else H, MLA_D if mla else D, "bfloat16", block_size=N, arrangement="test",
                       **({"kv_parts": 1} if mla else {}))
     page = N * layout.bytes_per_token // L
-    return GroupLayout(0, "mla" if mla else "full", tuple(f"layer{l}" for l in range(L)), (page,), layout)
+    return GroupLayout(0, MLA() if mla else FullAttention(), tuple(f"layer{l}" for l in range(L)), (page,), layout)
 
 
 def _paged(views, host_copies) -> PagedKV:

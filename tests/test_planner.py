@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.keys import ChunkSpan, PrefixKeys
+from kvtier.paged.groups import RETENTIONS
 from kvtier.paged.planner import (
     UNLOOKED_TOKENS,
     WAIT_POLL_S,
@@ -230,7 +231,7 @@ class FakeCosts:
 
 
 def _engine(*retentions: str, whole_prompt_loads: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(groups=[SimpleNamespace(retention=r) for r in retentions], whole_prompt_loads=whole_prompt_loads)
+    return SimpleNamespace(groups=[SimpleNamespace(kind=RETENTIONS[r]) for r in retentions], whole_prompt_loads=whole_prompt_loads)
 
 
 def test_the_hit_is_cut_where_computing_is_faster_and_a_skipped_tier_is_probed():

@@ -148,34 +148,12 @@ def test_connector_keeps_numba_out_of_vllm_processes():
 # -- pages and payloads, no engine ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("length, expected", [
-    (40, [(0, 40)]),  # shorter than a block: the tail alone
-    (300, [(0, 256), (256, 300)]),  # the last chunk holds no whole block: the tail alone
-    (420, [(0, 256), (256, 384), (256, 420)]),  # the partial chunk of whole blocks, then the tail
-    (512, [(0, 256), (256, 512)]),  # ends on a chunk boundary
-    (640, [(0, 256), (256, 512), (512, 640)]),  # ends on a block boundary: the partial chunk is the tail
-])
-def test_save_spans_store_the_prompt_tail_and_the_whole_blocks_before_it(length, expected):
-    import numpy as np
-
-    from kvtier.integrations.vllm.common import save_spans
-    from kvtier.keys import Namespace, chunk_spans, prefix_keys
-    from kvtier.layout import KVLayout
-
-    ns = Namespace("m", KVLayout(2, 2, 32, "float32", block_size=BLOCK))
-    tokens = np.asarray(_tokens(9, length), dtype=np.uint32)
-    spans = save_spans(prefix_keys(ns, tokens, CHUNK, BLOCK), length, BLOCK)
-    assert [(s.start, s.end) for s in spans] == expected
-    # every key is the one a lookup of that prefix walks to
-    assert all(s.key == chunk_spans(ns, tokens[: s.end], CHUNK)[-1].key for s in spans)
-    assert ns.layout.payload_bytes(40) == BLOCK * ns.layout.bytes_per_token  # a partial page is a whole page
-
-
 def _full_group(layers: int):
     from kvtier.integrations.vllm.common import GroupLayout
+    from kvtier.paged.groups import FullAttention
 
     layout = KVLayout(layers, 2, 32, "float32", block_size=16, arrangement="test")
-    return GroupLayout(0, "full", tuple(f"layer{i}" for i in range(layers)), (16 * layout.bytes_per_token // layers,), layout)
+    return GroupLayout(0, FullAttention(), tuple(f"layer{i}" for i in range(layers)), (16 * layout.bytes_per_token // layers,), layout)
 
 
 def _paged(num_blocks: int = 64, layers: int = 3):

@@ -1,6 +1,6 @@
 """Unit tests of how the vLLM connector caches each kind of KV-cache group: the layouts built
-from vLLM's own spec classes, what an object of each group holds, where a hit may end, and the
-copies of recurrent state (tensors of the layout vLLM registers, no engine)."""
+from vLLM's own spec classes, where a hit may end, and the copies of recurrent state (tensors of
+the layout vLLM registers, no engine); what each kind answers alone is in test_paged_groups.py."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from kvtier.cache import LookupResult
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.blocks import PagedKV
 from kvtier.integrations.vllm.common import GroupLayout, group_layout
-from kvtier.integrations.vllm.hits import best_end, group_save_spans, hit_spans, load_spans, spans_by_end
+from kvtier.integrations.vllm.hits import best_end
 from kvtier.keys import Namespace, prefix_keys
 from kvtier.layout import KVLayout
+from kvtier.paged.groups import spans_by_end
 
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -53,8 +54,8 @@ def test_each_group_kind_gets_its_retention_and_its_spec_in_the_namespace():
     local = _group(ChunkedLocalAttentionSpec(**ATTN, attention_chunk_size=32))
     mla = _group(MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=96, dtype=torch.float32))
     mamba = _group(_mamba_spec())
-    assert [g.kind for g in (full, sliding, local, mla, mamba)] == ["full", "sliding_window", "chunked_local", "mla", "mamba"]
-    assert [g.retention for g in (full, sliding, local, mla, mamba)] == ["all", "window", "window", "all", "state"]
+    assert [g.kind.name for g in (full, sliding, local, mla, mamba)] == ["full", "sliding_window", "chunked_local", "mla", "mamba"]
+    assert [g.layout.retention for g in (full, sliding, local, mla, mamba)] == ["all", "window", "window", "all", "state"]
     assert (sliding.layout.lookback, local.layout.lookback) == (40, 32)
     assert full.layout.group == "kv"  # a dense model's single group keeps the keys it always had
     assert full.page_bytes == BLOCK * 2 * 2 * 32 * 4
@@ -99,25 +100,6 @@ def test_mla_keys_are_the_same_on_every_tensor_parallel_rank_and_attention_keys_
     assert keys(full, 0) != keys(full, 1)
 
 
-# -- what an object holds -----------------------------------------------------------------------
-
-
-def test_objects_hold_every_block_the_window_before_their_end_or_one_state():
-    full = KVLayout(2, 2, 32, "float32", block_size=BLOCK)
-    window = dataclasses.replace(full, retention="window", lookback=40, group="sliding_window:40")
-    state = KVLayout(2, 1, 1, "uint8", block_size=BLOCK, retention="state", state_bytes=1000, group="mamba")
-    assert full.stored_blocks(64) == range(4) and full.stored_blocks(50) == range(4)
-    # a hit at the end (64) needs tokens [25, 64): blocks 1..3; at one before it [24, 63): also block 1
-    assert window.stored_blocks(64) == range(1, 4)
-    assert window.stored_blocks(30) == range(2)  # shorter than the window: all of it
-    assert window.payload_bytes(64) == 3 * BLOCK * window.bytes_per_token
-    assert state.stored_blocks(64) == range(3, 4) and state.payload_bytes(64) == state.payload_bytes(16) == 2000
-    with pytest.raises(ConfigError, match="lookback"):
-        dataclasses.replace(full, retention="window")
-    with pytest.raises(ConfigError, match="state_bytes"):
-        dataclasses.replace(full, state_bytes=10)
-
-
 # -- where a hit may end ------------------------------------------------------------------------
 
 
@@ -152,10 +134,10 @@ def test_a_full_and_sliding_model_hits_where_both_have_objects():
     hit = best_end(groups, keys, found, never, 200, BLOCK, 200)
     assert hit == 176
     # a load of [64, 176) reads full attention's chunks 1 and 2, and only the window's last objects
-    spans = [hit_spans(g, keys[i], found[i], hit) for i, g in enumerate(groups)]
-    assert [(s.start, s.end) for s in load_spans(full, spans[0], 64, 176)] == [(64, 128), (128, 192)]
-    assert [(s.start, s.end) for s in load_spans(sliding, spans[1], 64, 176)] == [(128, 176)]
-    assert [(s.start, s.end) for s in load_spans(sliding, spans[1], 64, 150)] == [(64, 128), (128, 176)]
+    spans = [g.kind.hit_spans(keys[i], found[i], hit) for i, g in enumerate(groups)]
+    assert [(s.start, s.end) for s in full.kind.load_spans(full.layout, spans[0], 64, 176)] == [(64, 128), (128, 192)]
+    assert [(s.start, s.end) for s in sliding.kind.load_spans(sliding.layout, spans[1], 64, 176)] == [(128, 176)]
+    assert [(s.start, s.end) for s in sliding.kind.load_spans(sliding.layout, spans[1], 64, 150)] == [(64, 128), (128, 176)]
 
 
 def test_a_hybrid_model_hits_where_a_state_was_kept_and_never_at_the_prompt_end():
@@ -173,7 +155,7 @@ def test_a_hybrid_model_hits_where_a_state_was_kept_and_never_at_the_prompt_end(
     hit = best_end(groups, keys, found, find_state, 192, BLOCK, 192)
     assert hit == 128  # 192 is the prompt's end: its last token must be computed
     assert asked == [list(range(176, 0, -BLOCK))]
-    assert [(s.start, s.end) for s in hit_spans(mamba, keys[1], None, hit)] == [(64, 128)]
+    assert [(s.start, s.end) for s in mamba.kind.hit_spans(keys[1], None, hit)] == [(64, 128)]
     # full attention holds less: the state must be kept at or before where it stops
     asked.clear()
     assert best_end(groups, keys, {0: _found(keys[0], 1)}, find_state, 192, BLOCK, 192) == 48
@@ -183,10 +165,10 @@ def test_a_hybrid_model_hits_where_a_state_was_kept_and_never_at_the_prompt_end(
 def test_saves_store_states_only_where_a_step_ended_on_a_block_boundary():
     full, mamba = _group(FullAttentionSpec(**ATTN)), _group(_mamba_spec(), 1)
     keys = _keys(mamba, 150)
-    assert [(s.start, s.end) for s in group_save_spans(mamba, keys, 0, 128, 128)] == [(64, 128)]
-    assert [(s.start, s.end) for s in group_save_spans(mamba, keys, 0, 64, 96)] == [(64, 96)]  # a partial chunk's end
-    assert group_save_spans(mamba, keys, 0, 150, 150) == []  # no state is kept off a block boundary
-    spans = group_save_spans(full, _keys(full, 150), 64, 150, 150)
+    assert [(s.start, s.end) for s in mamba.kind.save_spans(mamba.layout, keys, 0, 128, 128)] == [(64, 128)]
+    assert [(s.start, s.end) for s in mamba.kind.save_spans(mamba.layout, keys, 0, 64, 96)] == [(64, 96)]  # a partial chunk's end
+    assert mamba.kind.save_spans(mamba.layout, keys, 0, 150, 150) == []  # no state is kept off a block boundary
+    spans = full.kind.save_spans(full.layout, _keys(full, 150), 64, 150, 150)
     assert [(s.start, s.end) for s in spans] == [(64, 128), (128, 144), (128, 150)]
 
 

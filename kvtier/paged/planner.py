@@ -342,7 +342,7 @@ class WorthLoading:
         found, start = ask.found, ask.num_computed
         if self.costs is None or hit <= start:
             return hit
-        cuttable = all(g.retention == "all" for g in self.engine.groups) and not self.engine.whole_prompt_loads
+        cuttable = all(g.kind.cuttable for g in self.engine.groups) and not self.engine.whole_prompt_loads
         cut = self.costs.cut(found.tiers, found.chunk, start, hit, self.clock(), cuttable)
         self.stats.recomputed_by_tier.update(cut.skipped_tokens)
         self.stats.recomputed_chunks_by_tier.update(cut.skipped_chunks)

@@ -252,9 +252,9 @@ class KVEventPublisher:
         self._send(changes)
 
     def _translate(self, tier: Tier, event: CacheEvent) -> list[tuple[bytes, w.KVEvent]]:
-        if event.kind == "removed":
+        if event.kind == "removed":  # a tier's cache event kind (events.py), not a KV-cache group's kind
             return self.index.removed(tier, event.key)
-        if event.kind == "cleared":
+        if event.kind == "cleared":  # likewise a cache event kind
             return self.index.cleared(tier)
         record = self._record(tier, event.key)  # None: gone again already, or stored without one
         return self.index.stored(tier, event.key, record) if record is not None else []

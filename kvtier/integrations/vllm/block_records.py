@@ -9,7 +9,7 @@ whenever a KV connector is configured, converted for events exactly as vLLM's bl
 A record covers the whole blocks of a chunk; the prompt's last partial block has no vLLM hash
 and is in no record. Every group kvtier caches has one block size (engine_layout), at which vLLM
 hashes too. Records are made for the groups whose objects hold every block of their chunk (full
-attention, MLA); a sliding-window, chunked-local or recurrent-state object holds only some of
+attention, MLA: ``GroupKind.published``); a sliding-window, chunked-local or recurrent-state object holds only some of
 them, so those groups are cached but not published.
 """
 
@@ -24,10 +24,6 @@ from kvtier.keys import ChunkSpan
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
-
-
-#: The kinds of KV-cache group (common.GroupLayout.kind) whose objects are published.
-PUBLISHED_KINDS = frozenset({"full", "mla"})
 
 
 def block_records(

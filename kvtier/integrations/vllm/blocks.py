@@ -147,7 +147,7 @@ class PagedKV:
             else:
                 raise ConfigError(
                     f"layer {name}: {len(tensors)} KV tensors {[(tuple(t.shape), t.dtype) for t in tensors]},"
-                    f" the {group.kind} group has {len(group.rows)} of {group.rows} bytes a block"
+                    f" the {group.kind.name} group has {len(group.rows)} of {group.rows} bytes a block"
                 )
             for t, row in zip(tensors, rows):
                 form = self._form(name, t, row, exact)

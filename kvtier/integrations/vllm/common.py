@@ -1,7 +1,7 @@
 """What the scheduler side and the worker side of the connector share: the KV layout read from
 vLLM (one ``GroupLayout`` per KV-cache group: full attention, MLA, sliding window, chunked local,
-Mamba/GDN state; see hits.py for what each needs), the namespaces of a request, and the metadata
-the scheduler sends the workers each step.
+Mamba/GDN state; kvtier/paged/groups.py says what each kind needs), the namespaces of a request,
+and the metadata the scheduler sends the workers each step.
 
 Blocks and chunks
 -----------------
@@ -36,9 +36,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkSpan, Namespace, PrefixKeys
+from kvtier.keys import ChunkSpan, Namespace
 from kvtier.keystore import Pin
 from kvtier.layout import DTYPE_SIZES, KVLayout
+from kvtier.paged.groups import MLA, ChunkedLocal, FullAttention, GroupKind, RecurrentState, SlidingWindow, Window
 from kvtier.tiers.tenants import salt_label, valid_tenant
 
 if TYPE_CHECKING:
@@ -111,22 +112,13 @@ class GroupLayout:
     and every parameter of the group's spec are in it: a change in any of them never hits)."""
 
     index: int  # vLLM's KV-cache group id
-    kind: str  # full, mla, sliding_window, chunked_local, mamba
+    kind: GroupKind
     layer_names: tuple[str, ...]
     rows: tuple[int, ...]  # bytes of each per-block row of one layer
     layout: KVLayout  # of TP rank 0
 
-    @property
-    def same_on_every_rank(self) -> bool:
-        """MLA's latent KV is not split over tensor-parallel ranks: one object serves all."""
-        return self.kind == "mla"
-
     def layout_of(self, tp_rank: int) -> KVLayout:
-        return self.layout if self.same_on_every_rank else dataclasses.replace(self.layout, tp_rank=tp_rank)
-
-    @property
-    def retention(self) -> str:
-        return self.layout.retention
+        return self.layout if self.kind.same_on_every_rank else dataclasses.replace(self.layout, tp_rank=tp_rank)
 
     @property
     def page_bytes(self) -> int:
@@ -156,7 +148,7 @@ class EngineLayout:
     @property
     def has_state(self) -> bool:
         """Whether a group keeps recurrent state: hits must then end where a state was saved."""
-        return any(g.retention == "state" for g in self.groups)
+        return any(g.kind.keeps_state for g in self.groups)
 
     @property
     def num_layers(self) -> int:
@@ -200,9 +192,9 @@ def group_layout(index: int, group, block_size: int, tp_size: int, arrangement: 
         states = ",".join(f"{tuple(shape)}:{_dtype_name(dtype)}" for shape, dtype in zip(spec.shapes, spec.dtypes))
         layout = KVLayout(
             num_kv_heads=1, head_size=1, dtype="uint8", group=f"mamba:{spec.mamba_type.name}:{states}",
-            retention="state", state_bytes=sum(rows), **common,
+            retention=RecurrentState.retention, state_bytes=sum(rows), **common,
         )
-        return GroupLayout(index, "mamba", names, rows, layout)
+        return GroupLayout(index, RecurrentState(), names, rows, layout)
     if kind not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec):
         raise ConfigError(f"kvtier does not cache KV of {kind.__name__} groups")
     _check_attention(spec)
@@ -212,25 +204,23 @@ def group_layout(index: int, group, block_size: int, tp_size: int, arrangement: 
             raise ConfigError(f"kvtier does not cache MLA KV stored as {spec.cache_dtype_str}")
         layout = KVLayout(num_kv_heads=1, head_size=spec.head_size, dtype=dtype, group="mla", kv_parts=1,
                           **{**common, "tp_size": 1})
-        return _attention_group(index, "mla", names, layout)
+        return _attention_group(index, MLA(), names, layout)
     window = getattr(spec, "sliding_window", None)
     local = getattr(spec, "attention_chunk_size", None)
     if kind is FullAttentionSpec and (window or local):
         raise ConfigError("kvtier needs vLLM's hybrid KV-cache allocator for sliding-window or chunked-local layers")
     geometry = dict(num_kv_heads=spec.num_kv_heads, head_size=spec.head_size, dtype=dtype, **common)
+    windowed = dict(retention=Window.retention, **geometry)
     if kind is SlidingWindowSpec:
-        layout = KVLayout(group=f"sliding_window:{window}", retention="window", lookback=window, **geometry)
-        kind_name = "sliding_window"
+        group_kind, layout = SlidingWindow(), KVLayout(group=f"sliding_window:{window}", lookback=window, **windowed)
     elif kind is ChunkedLocalAttentionSpec:
-        layout = KVLayout(group=f"chunked_local:{local}", retention="window", lookback=local, **geometry)
-        kind_name = "chunked_local"
+        group_kind, layout = ChunkedLocal(), KVLayout(group=f"chunked_local:{local}", lookback=local, **windowed)
     else:
-        layout = KVLayout(group="kv", **geometry)  # the single group of dense models keeps its keys
-        kind_name = "full"
-    return _attention_group(index, kind_name, names, layout)
+        group_kind, layout = FullAttention(), KVLayout(group="kv", **geometry)  # the single group of dense models keeps its keys
+    return _attention_group(index, group_kind, names, layout)
 
 
-def _attention_group(index: int, kind: str, names: tuple[str, ...], layout: KVLayout) -> GroupLayout:
+def _attention_group(index: int, kind: GroupKind, names: tuple[str, ...], layout: KVLayout) -> GroupLayout:
     """An attention group: one page per block and layer."""
     return GroupLayout(index, kind, names, (layout.block_size * layout.bytes_per_token // len(names),), layout)
 
@@ -271,7 +261,8 @@ def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
         block_size=block_size,
         tp_size=tp_size,
         arrangement=arrangement,
-        whole_prompt_loads=any(g.kind == "mla" for g in layouts) and not vllm_config.scheduler_config.enable_chunked_prefill,
+        whole_prompt_loads=any(g.kind.partial_prefill_needs_chunking for g in layouts)
+        and not vllm_config.scheduler_config.enable_chunked_prefill,
     )
 
 
@@ -298,19 +289,6 @@ class NamespaceCache:
 def pages(num_tokens: int, block_size: int) -> int:
     """vLLM blocks (pages) that hold ``num_tokens`` tokens."""
     return -(-num_tokens // block_size)
-
-
-def save_spans(keys: PrefixKeys, end: int, block_size: int) -> list[ChunkSpan]:
-    """The objects a save of the first ``end`` tokens stores (``end`` is a chunk boundary or the
-    prompt's end), in order: its chunks, and where it ends inside a block, the partial chunk of
-    its whole blocks before the tail chunk (both start at the last chunk boundary)."""
-    count = sum(1 for span in keys.spans if span.end <= end)
-    spans = keys.spans[:count]
-    whole = end // block_size * block_size
-    if spans and spans[-1].start < whole < end:
-        partial = next(p for p in keys.partials[count - 1] if p.end == whole)
-        spans = [*spans[:-1], partial, spans[-1]]
-    return spans
 
 
 # -- scheduler -> worker, every step --------------------------------------------------------------

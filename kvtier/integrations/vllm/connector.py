@@ -52,7 +52,7 @@ _HIT_SOURCES = {Medium.MEMORY: CacheHitSource.HOST, Medium.DISK: CacheHitSource.
 
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier's connector; it supports vLLM's hybrid KV-cache allocator (``SupportsHMA``): every
-    KV-cache group is cached (common.py, hits.py)."""
+    KV-cache group is cached (common.py, kvtier/paged/groups.py)."""
 
     _cache_hit_source = CacheHitSource.HOST
 

@@ -320,7 +320,7 @@ def scatter(worker: "KvtierWorker", g: int, pages: PagedKV, job: LoadJob, retrie
         written = True
         if count:
             worker.stats.add(load_bytes=(hi - lo) * pages.page_bytes)
-    if group.retention == "state":  # the one block that holds the state at ``end``
+    if group.kind.keeps_state:  # the one block that holds the state at ``end``
         return job.end if written else job.start
     missing = np.flatnonzero(needed)
     return job.start + int(missing[0]) * bs if missing.size else job.end
@@ -329,7 +329,7 @@ def scatter(worker: "KvtierWorker", g: int, pages: PagedKV, job: LoadJob, retrie
 def _layerwise_ok(worker: "KvtierWorker") -> bool:
     """Layer by layer needs one group (several load asynchronously anyway) of one slot a layer."""
     groups = worker.engine.groups
-    return len(groups) == 1 and groups[0].retention != "state" and len(worker.pages[0].slots) == len(groups[0].layer_names)
+    return len(groups) == 1 and not groups[0].kind.keeps_state and len(worker.pages[0].slots) == len(groups[0].layer_names)
 
 
 class _LayerwiseCopies:

@@ -69,9 +69,9 @@ from kvtier.integrations.vllm.common import (
     pages,
     request_scope,
 )
-from kvtier.integrations.vllm.block_records import PUBLISHED_KINDS, block_records
+from kvtier.integrations.vllm.block_records import block_records
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.hits import best_end, group_save_spans, hit_spans, load_spans
+from kvtier.integrations.vllm.hits import best_end
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
 from kvtier.integrations.vllm.load_costs import LoadOrRecompute
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
@@ -186,7 +186,7 @@ class KvtierScheduler:
         and copies them nowhere: no blocks."""
         index = first // chunk
         probe_spans = [
-            [[s for s in group_spans if s.start // chunk == index] if group.retention != "state" else []
+            [[] if group.kind.keeps_state else [s for s in group_spans if s.start // chunk == index]
              for group, group_spans in zip(self.engine.groups, rank_spans)]
             for rank_spans in spans
         ]
@@ -225,7 +225,7 @@ class KvtierScheduler:
         attention = {
             g: self.cache.lookup_spans(keys[g].spans, keys[g].partials, pin=True)
             for g, group in enumerate(groups)
-            if group.retention != "state"
+            if not group.kind.keeps_state
         }
 
         def find_state(g: int, candidates: list[ChunkSpan]) -> int:
@@ -234,7 +234,7 @@ class KvtierScheduler:
         hit = best_end(groups, keys, attention, find_state, prompt_len, self.block_size, limit)
         tiers = next(iter(attention.values())).tiers if hit else []
         pins = [attention[g].pin if g in attention else None for g in range(len(groups))]
-        return hit, tiers, [hit_spans(group, keys[g], attention.get(g), hit) for g, group in enumerate(groups)], pins
+        return hit, tiers, [group.kind.hit_spans(keys[g], attention.get(g), hit) for g, group in enumerate(groups)], pins
 
     def _unpin(self, pins: list[list[Pin | None]]) -> None:
         """Give back the pins of a lookup no load job took."""
@@ -284,7 +284,7 @@ class KvtierScheduler:
                 self._loads.append(LoadJob(request.request_id, scope, empty, start, end, block_ids, asynchronous=True))
             return
         spans = [
-            [load_spans(group, group_spans, start, end) for group, group_spans in zip(self.engine.groups, rank_spans)]
+            [group.kind.load_spans(group.layout, group_spans, start, end) for group, group_spans in zip(self.engine.groups, rank_spans)]
             for rank_spans in known.spans
         ]
         self._loads.append(LoadJob(request.request_id, scope, spans, start, end, block_ids, known.tiers, known.asynchronous,
@@ -335,8 +335,8 @@ class KvtierScheduler:
         keys = self._request_keys(tracked, chunk)
         spans = [
             [
-                group_save_spans(group, group_keys, tracked.saved_upto, end, computed)
-                if rank == 0 or not group.same_on_every_rank else []  # one rank stores what all ranks share
+                group.kind.save_spans(group.layout, group_keys, tracked.saved_upto, end, computed)
+                if rank == 0 or not group.kind.same_on_every_rank else []  # one rank stores what all ranks share
                 for group, group_keys in zip(self.engine.groups, rank_keys)
             ]
             for rank, rank_keys in enumerate(keys)
@@ -346,7 +346,7 @@ class KvtierScheduler:
         blocks = self._block_ids_of(req_id)
         records = [
             block_records(tracked.request, tracked.tokens, group_spans, self.block_size, self.served_model, group.index)
-            if group.kind in PUBLISHED_KINDS else {}
+            if group.kind.published else {}
             for group, group_spans in zip(self.engine.groups, spans[0])
         ]
         job = SaveJob(req_id, tracked.scope, spans, [list(blocks[g.index][: pages(computed, self.block_size)]) for g in self.engine.groups], self._next_job, records)
@@ -428,7 +428,7 @@ class KvtierScheduler:
 
     def _saves_history(self, request: "Request") -> bool:
         mode = self.config.save_history
-        if not self.config.save or mode == "never" or any(g.retention != "all" for g in self.engine.groups):
+        if not self.config.save or mode == "never" or not all(g.kind.saves_history for g in self.engine.groups):
             return False
         return mode == "always" or request.request_id.startswith("chatcmpl-")
 
@@ -447,14 +447,15 @@ class KvtierScheduler:
         keys = [[prefix_keys(ns, array, chunk, self.block_size) for ns in self.namespaces.get(rank, tracked.scope)]
                 for rank in range(self.engine.tp_size)]
         spans = [
-            [group_save_spans(group, group_keys, tracked.saved_upto, end, end) if rank == 0 or not group.same_on_every_rank else []
+            [group.kind.save_spans(group.layout, group_keys, tracked.saved_upto, end, end)
+             if rank == 0 or not group.kind.same_on_every_rank else []
              for group, group_keys in zip(self.engine.groups, rank_keys)]
             for rank, rank_keys in enumerate(keys)
         ]
         if not any(spans[0]):
             return False
         records = [block_records(request, tokens, group_spans, self.block_size, self.served_model, group.index)
-                   if group.kind in PUBLISHED_KINDS else {} for group, group_spans in zip(self.engine.groups, spans[0])]
+                   if group.kind.published else {} for group, group_spans in zip(self.engine.groups, spans[0])]
         job = SaveJob(request.request_id, tracked.scope, spans,
                       [list(block_ids[g.index][: pages(end, self.block_size)]) for g in self.engine.groups],
                       records=records, release=True)

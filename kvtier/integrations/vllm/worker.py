@@ -134,7 +134,7 @@ class KvtierWorker:
         log.info(
             "kvtier: %s, arrangement %s, %.2f GiB of save staging",
             "; ".join(
-                f"{g.kind} group {g.index}: {len(g.layer_names)} layers, {p.page_bytes} bytes a block"
+                f"{g.kind.name} group {g.index}: {len(g.layer_names)} layers, {p.page_bytes} bytes a block"
                 f" ({'one view for all layers' if p.pages is not None else 'one view per tensor'})"
                 for g, p in zip(self.engine.groups, self.pages)
             ),
