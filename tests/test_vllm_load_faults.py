@@ -114,7 +114,8 @@ def test_a_lookup_whose_pins_went_back_is_never_answered_again(monkeypatch):
     must not come back when the local hit returns to what it was, nor its pins go into a load."""
     from kvtier.integrations.vllm import scheduler as scheduler_module
     from kvtier.integrations.vllm.config import parse_extra_config
-    from kvtier.integrations.vllm.scheduler import WAIT_POLL_S, KvtierScheduler
+    from kvtier.integrations.vllm.scheduler import KvtierScheduler
+    from kvtier.paged.planner import WAIT_POLL_S
 
     store = _PinningKeyStore()
     monkeypatch.setattr(scheduler_module, "open_cache", lambda config: TokenCache(store))

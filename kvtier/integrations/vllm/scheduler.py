@@ -1,5 +1,6 @@
 """Scheduler side of the connector: runs in vLLM's engine-core process, next to the scheduler.
-It never touches KV; it decides what each step's workers load and save.
+It never touches KV; it decides what each step's workers load and save. The load decision and the
+record of each request are ``kvtier.paged.planner``'s; this module turns vLLM's hooks into its calls.
 
     get_num_new_matched_tokens   a lookup: how many prompt tokens past vLLM's own hit kvtier holds
     update_state_after_alloc     the blocks vLLM gave those tokens: a load job for the next step
@@ -48,7 +49,6 @@ import itertools
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -75,6 +75,10 @@ from kvtier.integrations.vllm.hits import best_end
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
 from kvtier.integrations.vllm.load_costs import LoadOrRecompute
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
+from kvtier.paged.planner import (
+    Found, InFlightDedup, LoadFailed, Planner, PrefillWait, RepeatedAsk, RequestState, SavesInFlight,
+    SchedulerStats, ShortLookupSkip, SyncOrAsync, WorthLoading,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -85,79 +89,6 @@ log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
 #: Half-life of the load-or-recompute measurements' weight (load_costs.py).
 COST_HALF_LIFE_S = 60.0
-#: Fewer prompt tokens than this past vLLM's own hit are computed without a lookup: computing
-#: them costs about what one token does (bench/vllm_ttft.py: its floor, 16 tokens after a 4k hit,
-#: takes what its full hit, one token, takes), less than a round trip to the server.
-UNLOOKED_TOKENS = 16
-#: Least time between two lookups of a request that waits (vLLM asks every millisecond or so).
-WAIT_POLL_S = 0.005
-
-
-@dataclass
-class _Lookup:
-    num_computed: int  # vLLM's own (block-aligned) hit the lookup was made for
-    hit: int  # prompt tokens kvtier holds (a prefix, whole blocks)
-    load: int  # tokens to load past num_computed
-    tiers: list[str]  # tier of each hit chunk
-    stored: int  # prompt tokens taken as stored already: saves start there
-    spans: list[list[list[ChunkSpan]]] = field(default_factory=list)  # per TP rank and group, the objects hit
-    asynchronous: bool = False  # the load takes vLLM's asynchronous path (the answer vLLM was given)
-    pins: list[list[Pin | None]] = field(default_factory=list)  # per TP rank and group: the lookup's leases
-
-
-@dataclass
-class _Tracked:
-    scope: RequestScope
-    tokens: list[int]  # the prompt's tokens (vLLM's list: keys are made from it once)
-    saved_upto: int  # tokens known stored in kvtier or covered by a save job
-    request: "Request"  # for vLLM's block hashes of what is saved (block_records)
-    save_jobs: int = 0
-    load_failed: bool = False  # a load of it came back short: it is computed from then on
-
-
-@dataclass
-class _Waiting:
-    """A request whose KV another instance is saving: since when, and when last looked up."""
-
-    since: float
-    last_lookup: float
-
-
-@dataclass
-class _InFlight:
-    keys: list[bytes]
-    deadline: float
-
-
-@dataclass
-class SchedulerStats:
-    lookups: int = 0
-    lookups_skipped: int = 0  # prompts vLLM's own cache held, or all but UNLOOKED_TOKENS of: not looked up
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-    load_tokens: int = 0
-    deferred: int = 0  # lookups answered "not yet": the next chunk was being saved
-    prefill_waits: int = 0  # requests prefilled elsewhere whose KV was found (waited for or not)
-    prefill_wait_timeouts: int = 0  # ... whose KV did not arrive in time: computed here
-    prefill_wait_s: float = 0.0  # total time those requests waited
-    save_jobs: int = 0
-    history_tokens: int = 0  # generated tokens (and prompt tail) planned for storing at a request's end
-    lookup_s: float = 0.0
-    hits_by_tier: Counter = field(default_factory=Counter)  # loaded tokens by the tier that held them
-    # hit tokens and chunks computed instead, loading them being slower (load_costs.py), by tier
-    recomputed_by_tier: Counter = field(default_factory=Counter)
-    recomputed_chunks_by_tier: Counter = field(default_factory=Counter)
-    load_probes: int = 0  # probe jobs: reads of a skipped tier, beside the engine, to measure it again
-    ignored_tenants: int = 0  # requests that named their tenant, not trusted (trust_request_tenant off)
-    load_decision_changes: int = 0  # times a tier started or stopped being skipped (load_costs.py)
-    loads_not_retried: int = 0  # lookups of a request whose load came back short: computed, not loaded again
-    # gauges: the estimates of the last decision (None, or a tier absent: not measured yet)
-    prefill_us_per_token: float | None = None
-    prefill_tokens_per_s: float | None = None
-    tier_tokens_per_s: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {name: dict(value) if isinstance(value, Counter) else value for name, value in vars(self).items()}
 
 
 class KvtierScheduler:
@@ -177,25 +108,29 @@ class KvtierScheduler:
         self.stats = SchedulerStats()
         self._interval = Interval()
         self._block_ids_of = block_ids_of
-        self._lookups: dict[ReqId, _Lookup] = {}
-        self._running: set[ReqId] = set()  # admitted, not finished: what a load in the step would stall
-        self._requests: dict[ReqId, _Tracked] = {}
-        self._keys: dict[ReqId, list[list[PrefixKeys]]] = {}  # per request, TP rank and group: hashed once
-        self._waiting: dict[ReqId, _Waiting] = {}
         self._loads: list[LoadJob] = []
         self._probes: list[LoadJob] = []  # reads of skipped tiers, to measure them (load_costs.py)
         self._history: list[SaveJob] = []  # history jobs of finished requests, for the next step
         self._next_job = 1
-        self._in_flight: dict[int, _InFlight] = {}
-        self._in_flight_keys: Counter = Counter()
-        self._job_reports: Counter = Counter()
         # how long an unconfirmed save may hold back lookups of its prefix
-        self._in_flight_s = 2 * config.timeout_s + 1.0
+        self._saves = SavesInFlight(2 * config.timeout_s + 1.0, engine.tp_size)
         self._chunk_warned = False
         self._tenant_warned = False
         self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
         self._next_step = 0
         self._timed_steps: dict[int, tuple[float, int, int]] = {}  # step -> (built at, tokens, position sum)
+        gates = [
+            LoadFailed(self.stats),
+            RepeatedAsk(self._unpin),
+            ShortLookupSkip(self.stats),
+            PrefillWait(self.stats, config.prefill_wait_s, lambda: self.cache.key_store.reachable),
+            InFlightDedup(self.stats, self._saves),
+        ]
+        self.planner = Planner(
+            gates, WorthLoading(self.costs, engine, self.stats, self._probe),
+            SyncOrAsync(len(engine.groups), config.async_load_min_tokens, config.sync_load_when_alone),
+            self._find, self._unpin, self.stats, engine.whole_prompt_loads,
+        )
 
     # -- chunk size ----------------------------------------------------------------------------
 
@@ -228,94 +163,22 @@ class KvtierScheduler:
         scope = request_scope(request, self.config.trust_request_tenant)
         if scope is None:
             return 0, False
-        tracked = self._requests.get(request.request_id)
-        if tracked is not None and tracked.load_failed:
-            # A load of it came back short: what kvtier held is gone or unreadable, and vLLM
-            # 0.32 keeps the failed asynchronous load's block reservation while the request
-            # waits again, so a second asynchronous load of it would be refused room forever
-            # where vLLM's cache is tight (every load of a model with several groups is one)
-            self.stats.loads_not_retried += 1
-            return 0, False
-        known = self._lookups.get(request.request_id)
-        if known is not None and known.num_computed == num_computed_tokens:
-            return known.load, known.asynchronous  # asked again (the request was not admitted last step)
-        if known is not None:  # vLLM's own hit changed: that lookup is void, and never answered again
-            del self._lookups[request.request_id]
-            self._unpin(known.pins)
-        prompt = request.prompt_token_ids
-        expected = _prefilled_tokens(request)
-        left = len(prompt) - 1 - num_computed_tokens  # what a load could spare vLLM computing
-        if left <= 0 or (num_computed_tokens and not expected and left < UNLOOKED_TOKENS):
-            # vLLM's own cache holds the prompt, or all of it but a few tokens, which cost
-            # vLLM no more to compute than a lookup's round trip costs. What it holds was
-            # stored when it was computed; the rest is computed and saved from there
-            stored = len(prompt) if left <= 0 else num_computed_tokens
-            self._lookups[request.request_id] = _Lookup(num_computed_tokens, 0, 0, [], stored)
-            self.stats.lookups_skipped += 1
-            return 0, False
+        state = self.planner.state(request.request_id, request, scope)
+        return self.planner.match(state, num_computed_tokens, _prefilled_tokens(request))
+
+    def _find(self, state: RequestState) -> Found | None:
+        """The planner's lookup of the request's prompt (None: no usable chunk size)."""
         chunk = self._chunk_size_or_connect()
         if chunk is None:
-            return 0, False
-        waiting = self._waiting.get(request.request_id) if expected else None
-        now = time.monotonic()
-        if waiting is not None and now - waiting.last_lookup < WAIT_POLL_S:
-            return None, False
-        started = time.perf_counter()
-        keys = self._request_keys(request.request_id, scope, prompt, chunk)
-        hit, tiers, spans, pins = self._lookup(keys, len(prompt))
-        pending = self._worth_waiting(len(prompt), hit, num_computed_tokens) and self._being_saved(keys[0][0], hit, chunk)
-        self.stats.lookup_s += time.perf_counter() - started
-        if expected and not self._prefill_arrived(request.request_id, hit, min(expected, len(prompt)), now):
-            self._unpin(pins)
-            return None, False
-        if pending:
-            self._unpin(pins)
-            self.stats.deferred += 1
-            return None, False
-        self.stats.lookups += 1
-        self.stats.lookup_tokens += len(prompt)
-        self.stats.hit_tokens += hit
-        if self.engine.whole_prompt_loads and min(hit, len(prompt) - 1) < len(prompt) - 1:
-            hit = 0  # this engine cannot prefill the rest after loaded context (EngineLayout)
-        # past the cut the hit is computed, and stored again: into L1, where the next hit is fast
-        hit = self._worth_loading(request.request_id, scope, tiers, spans, chunk, num_computed_tokens, hit)
-        load = max(0, min(hit, len(prompt) - 1) - num_computed_tokens)
-        asynchronous = self._loads_async(load, request.request_id)
-        if not load:
-            self._unpin(pins)
-            pins = []
-        self._lookups[request.request_id] = _Lookup(num_computed_tokens, hit, load, tiers, hit, spans, asynchronous, pins)
-        return load, asynchronous
+            return None
+        keys = self._request_keys(state, chunk)
+        hit, tiers, spans, pins = self._lookup(keys, len(state.tokens))
+        return Found(chunk, hit, tiers, spans, pins)
 
-    def _loads_async(self, load: int, req_id: ReqId) -> bool:
-        """Whether a load of ``load`` tokens takes vLLM's asynchronous path: long loads (a worker
-        thread copies while the engine steps the other requests) while another request runs
-        (``sync_load_when_alone``), and every load of a model with several groups (vLLM can take
-        back a failed load of such a model only as a whole request, and only on that path; see
-        worker.py)."""
-        if load <= 0:
-            return False
-        if len(self.engine.groups) > 1:
-            return True
-        others = len(self._running) - (req_id in self._running)
-        return load >= self.config.async_load_min_tokens and (others > 0 or not self.config.sync_load_when_alone)
-
-    def _worth_loading(self, req_id: ReqId, scope: RequestScope, tiers: list[str],
-                       spans: list[list[list[ChunkSpan]]], chunk: int, start: int, hit: int) -> int:
-        """Where to cut the hit: past it, computing is faster than loading (load_costs.py). A
-        probe of a skipped tier becomes a probe job of the next step's metadata."""
-        if self.costs is None or hit <= start:
-            return hit
-        cuttable = all(g.kind.cuttable for g in self.engine.groups) and not self.engine.whole_prompt_loads
-        cut = self.costs.cut(tiers, chunk, start, hit, time.monotonic(), cuttable)
-        self.stats.recomputed_by_tier.update(cut.skipped_tokens)
-        self.stats.recomputed_chunks_by_tier.update(cut.skipped_chunks)
-        if cut.probe is not None:
-            self._probes.append(self._probe_job(req_id, scope, tiers, spans, chunk, cut.probe[1], hit))
-            self.stats.load_probes += 1
-        for name, value in self.costs.gauges().items():  # the estimates the decision used, for /metrics
-            setattr(self.stats, name, value)
-        return cut.end
+    def _probe(self, state: RequestState, found: Found, first: int, hit: int) -> None:
+        """A probe of a skipped tier (load_costs.py): a probe job of the next step's metadata."""
+        self._probes.append(self._probe_job(state.request.request_id, state.scope, found.tiers, found.spans, found.chunk,
+                                            first, hit))
 
     def _probe_job(self, req_id: ReqId, scope: RequestScope, tiers: list[str],
                    spans: list[list[list[ChunkSpan]]], chunk: int, first: int, hit: int) -> LoadJob:
@@ -329,38 +192,16 @@ class KvtierScheduler:
         ]
         return LoadJob(req_id, scope, probe_spans, first, min(first + chunk, hit), [], tiers)
 
-    def _request_keys(self, req_id: ReqId, scope: RequestScope, prompt, chunk: int) -> list[list[PrefixKeys]]:
+    def _request_keys(self, state: RequestState, chunk: int) -> list[list[PrefixKeys]]:
         """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
         per request."""
-        keys = self._keys.get(req_id)
-        if keys is None:
-            tokens = np.asarray(prompt, dtype=np.uint32)
-            keys = self._keys[req_id] = [
-                [prefix_keys(ns, tokens, chunk, self.block_size) for ns in self.namespaces.get(rank, scope)]
+        if state.keys is None:
+            tokens = np.asarray(state.tokens, dtype=np.uint32)
+            state.keys = [
+                [prefix_keys(ns, tokens, chunk, self.block_size) for ns in self.namespaces.get(rank, state.scope)]
                 for rank in range(self.engine.tp_size)
             ]
-        return keys
-
-    def _prefill_arrived(self, req_id: ReqId, hit: int, expected: int, now: float) -> bool:
-        """Whether to go ahead with a request prefilled elsewhere: its KV is here, or it has
-        waited ``prefill_wait_s`` for it, or the server cannot be reached."""
-        waiting = self._waiting.setdefault(req_id, _Waiting(now, now))
-        waiting.last_lookup = now
-        patient = now - waiting.since < self.config.prefill_wait_s and self.cache.key_store.reachable
-        if hit < expected and patient:  # an unreachable server will not bring the KV either
-            return False
-        del self._waiting[req_id]
-        self.stats.prefill_wait_s += now - waiting.since
-        if hit < expected:
-            self.stats.prefill_wait_timeouts += 1
-            log.warning(
-                "kvtier: request %s: %d of the %d tokens its prefill instance saved reached the cache in %.1f s%s;"
-                " computing the rest here", req_id, hit, expected, now - waiting.since,
-                "" if self.cache.key_store.reachable else " (the kvtier server is unreachable)",
-            )
-        else:
-            self.stats.prefill_waits += 1
-        return True
+        return state.keys
 
     def _lookup(self, keys: list[list[PrefixKeys]], prompt_len: int
                 ) -> tuple[int, list[str], list[list[list[ChunkSpan]]], list[list[Pin | None]]]:
@@ -402,39 +243,10 @@ class KvtierScheduler:
                 if pin is not None:
                     self.cache.key_store.unpin(pin)
 
-    @staticmethod
-    def _worth_waiting(prompt: int, hit: int, local: int) -> bool:
-        """Waiting for a save in flight is worth it only when most of the prompt would be
-        recomputed otherwise; when vLLM's own cache (``local``) already holds most of it, no."""
-        return 2 * (prompt - max(hit, local)) >= prompt
-
-    def _being_saved(self, keys: PrefixKeys, hit: int, chunk: int) -> bool:
-        """Whether a save in flight stores the next chunk past ``hit`` (or a partial of it)."""
-        if not self._in_flight_keys:
-            return False
-        self._expire_in_flight()
-        return any(
-            span.key in self._in_flight_keys
-            for span in itertools.chain(keys.spans, *keys.partials)
-            if hit < span.end <= hit + chunk
-        )
-
-    def _expire_in_flight(self) -> None:
-        now = time.monotonic()
-        for job_id in [j for j, f in self._in_flight.items() if f.deadline < now]:
-            log.warning("kvtier: no word from the workers on save job %d; lookups go ahead", job_id)
-            self._forget_job(job_id)
-
-    def _forget_job(self, job_id: int) -> None:
-        flight = self._in_flight.pop(job_id, None)
-        self._job_reports.pop(job_id, None)
-        if flight is not None:
-            self._in_flight_keys.subtract(flight.keys)
-            self._in_flight_keys += Counter()  # drop zero counts
-
     def hit_tiers(self, request: "Request", num_external_tokens: int) -> list[str]:
         """Tier of each loaded chunk (for vLLM's cache-hit metrics), before the lookup is consumed."""
-        known = self._lookups.get(request.request_id)
+        state = self.planner.states.get(request.request_id)
+        known = state.lookup if state is not None else None
         if known is None or not num_external_tokens:
             return []
         chunk = self.chunk_size() or self.block_size
@@ -443,20 +255,19 @@ class KvtierScheduler:
     # -- allocation and the step's metadata ------------------------------------------------------
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        self._running.add(request.request_id)
         scope = request_scope(request, self.config.trust_request_tenant)
+        state = self.planner.state(request.request_id, request, scope)
+        self.planner.run(state)
         if scope is None:
             return
-        known = self._lookups.pop(request.request_id, None)
+        known, state.lookup = state.lookup, None
         prompt = request.prompt_token_ids
         hit = known.hit if known is not None else 0
         stored = known.stored if known is not None else 0
-        tracked = self._requests.get(request.request_id)
-        if tracked is None:
-            tracked = self._requests[request.request_id] = _Tracked(scope, prompt, stored, request)
+        if not state.admitted:
+            state.admitted = True
             self._check_tenant(request)
-        else:  # resumed after a preemption
-            tracked.saved_upto = max(tracked.saved_upto, stored)
+        state.saved_upto = max(state.saved_upto, stored)  # resumed after a preemption: what it saved stays
         if known is not None and num_external_tokens <= 0:
             self._unpin(known.pins)
         if num_external_tokens <= 0 or known is None:
@@ -496,7 +307,7 @@ class KvtierScheduler:
         meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history, timed_step=self._time_step(scheduler_output),
                                        idle=not scheduler_output.total_num_scheduled_tokens, probes=self._probes)
         self._loads, self._history, self._probes = [], [], []
-        if not self.config.save or not self._requests:
+        if not self.config.save or not self.planner.states:
             return meta
         chunk = self.chunk_size()
         if chunk is None:
@@ -506,7 +317,7 @@ class KvtierScheduler:
             self._plan_save(new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0), chunk, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
-            tracked = self._requests.get(req_id)
+            tracked = self._admitted(req_id)
             if tracked is not None and tracked.saved_upto < len(tracked.tokens):
                 self._plan_save(req_id, computed + scheduled.get(req_id, 0), chunk, meta)
         return meta
@@ -514,14 +325,14 @@ class KvtierScheduler:
     def _plan_save(self, req_id: ReqId, computed: int, chunk: int, meta: KvtierConnectorMetadata) -> None:
         """A save job for the objects the step completes, if any: the chunks it completes, and
         the recurrent state where it ended on a block boundary."""
-        tracked = self._requests.get(req_id)
+        tracked = self._admitted(req_id)
         if tracked is None:
             return
         prompt = len(tracked.tokens)
         end = prompt if computed >= prompt else computed // chunk * chunk
         if end <= tracked.saved_upto and not (self.engine.has_state and computed % self.block_size == 0):
             return
-        keys = self._request_keys(req_id, tracked.scope, tracked.tokens, chunk)
+        keys = self._request_keys(tracked, chunk)
         spans = [
             [
                 group.kind.save_spans(group.layout, group_keys, tracked.saved_upto, end, computed)
@@ -541,11 +352,15 @@ class KvtierScheduler:
         job = SaveJob(req_id, tracked.scope, spans, [list(blocks[g.index][: pages(computed, self.block_size)]) for g in self.engine.groups], self._next_job, records)
         meta.saves.append(self._start_job(job, tracked, end))
 
-    def _start_job(self, job: SaveJob, tracked: _Tracked, end: int) -> SaveJob:
+    def _admitted(self, req_id: ReqId) -> RequestState | None:
+        """The request's record if vLLM has given it blocks (its saves are planned), else None."""
+        state = self.planner.states.get(req_id)
+        return state if state is not None and state.admitted else None
+
+    def _start_job(self, job: SaveJob, tracked: RequestState, end: int) -> SaveJob:
         job.job_id = self._next_job
         self._next_job += 1
-        self._in_flight[job.job_id] = _InFlight([s.key for s in job.spans[0][0]], time.monotonic() + self._in_flight_s)
-        self._in_flight_keys.update(self._in_flight[job.job_id].keys)
+        self._saves.start(job.job_id, [s.key for s in job.spans[0][0]])
         tracked.saved_upto = max(tracked.saved_upto, end)
         tracked.save_jobs += 1
         self.stats.save_jobs += 1
@@ -593,11 +408,9 @@ class KvtierScheduler:
         if self.costs is not None:
             self._observe(worker_meta)
         for job_id, count in worker_meta.finished_saves.items():
-            self._job_reports[job_id] += count
-            if self._job_reports[job_id] >= self.engine.tp_size:
-                self._forget_job(job_id)
+            self._saves.report(job_id, count)
         for req_id, start in worker_meta.unstored.items():  # saved again once vLLM has recomputed it
-            tracked = self._requests.get(req_id)
+            tracked = self._admitted(req_id)
             if tracked is not None:
                 tracked.saved_upto = min(tracked.saved_upto, start)
                 tracked.load_failed = True
@@ -606,13 +419,8 @@ class KvtierScheduler:
         """Plan the save of the request's history, if any (True: vLLM must keep its blocks until
         the workers report it sent), and forget the request; for a prefill asked by the proxy,
         the kv_transfer_params to answer."""
-        self._running.discard(request.request_id)
-        known = self._lookups.pop(request.request_id, None)
-        if known is not None:
-            self._unpin(known.pins)
-        self._waiting.pop(request.request_id, None)
-        self._keys.pop(request.request_id, None)
-        tracked = self._requests.pop(request.request_id, None)
+        state = self.planner.finish(request.request_id)
+        tracked = state if state is not None and state.admitted else None
         held = tracked is not None and self._plan_history(request, tracked, block_ids)
         if not (request.kv_transfer_params or {}).get(PREFILL_PARAM):
             return held, None
@@ -624,7 +432,7 @@ class KvtierScheduler:
             return False
         return mode == "always" or request.request_id.startswith("chatcmpl-")
 
-    def _plan_history(self, request: "Request", tracked: _Tracked, block_ids: tuple[list[int], ...]) -> bool:
+    def _plan_history(self, request: "Request", tracked: RequestState, block_ids: tuple[list[int], ...]) -> bool:
         """A save job for the whole blocks of prompt and answer whose KV is computed (all but the
         last token; with asynchronous scheduling, not the tokens still in flight) and not stored."""
         chunk = self.chunk_size()
