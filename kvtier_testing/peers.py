@@ -32,16 +32,17 @@ def lmcache_python(venv: Path = PEERS_VENV) -> tuple[Path | None, str]:
     return python, f"LMCache {version} from {venv}"
 
 
-def lmcache_server(python: Path, port: int, http_port: int, env: dict, logs: Path, fs_path: Path,
+def lmcache_server(python: Path, port: int, http_port: int, env: dict, logs: Path, fs_path: Path | None = None,
                    l1_size_gb: float = 1.0) -> Service:
-    """``lmcache server`` on loopback: L1 of ``l1_size_gb``, LRU, and a file-system L2, the
-    setting a kvtier server runs with in the same benchmark. vLLM's CPU build moves KV through
+    """``lmcache server`` on loopback: L1 of ``l1_size_gb``, LRU, and a file-system L2 at
+    ``fs_path`` if given, the setting a kvtier server runs with in the same benchmark. vLLM's CPU build moves KV through
     the engine (``engine_driven``), which the server serves only when asked to (``auto``)."""
     args = [str(python.parent / "lmcache"), "server",
             "--host", "127.0.0.1", "--port", str(port), "--http-host", "127.0.0.1", "--http-port", str(http_port),
             "--l1-size-gb", str(l1_size_gb), "--eviction-policy", "LRU", "--chunk-size", "256",
-            "--supported-transfer-mode", "auto",
-            "--l2-adapter", json.dumps({"type": "fs", "base_path": str(fs_path)})]
+            "--supported-transfer-mode", "auto"]
+    if fs_path is not None:
+        args += ["--l2-adapter", json.dumps({"type": "fs", "base_path": str(fs_path)})]
     return Service("lmcache-server", args, {**env, "LMCACHE_DISABLE_BANNER": "1"}, logs / "lmcache-server.log",
                    f"http://127.0.0.1:{http_port}/healthcheck")
 

