@@ -124,7 +124,7 @@ def _parse(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=cache_dir("bench-serving"))
     prefix = parser.add_argument_group("prefix-repetition")
-    prefix.add_argument("--prefixes", type=int, default=None, help="distinct prefixes (default 32, quick 16)")
+    prefix.add_argument("--prefixes", type=int, default=None, help="distinct prefixes (default 48, quick 32)")
     prefix.add_argument("--per-prefix", type=int, default=None, help="requests per prefix (default 3)")
     prefix.add_argument("--prefix-len", type=int, default=4000)
     prefix.add_argument("--suffix-len", type=int, default=64)
@@ -143,7 +143,7 @@ def _parse(argv):
                       help="every vLLM's KV cache, in longest conversations (default %(default)s)")
     add_check_flag(parser)
     args = parser.parse_args(argv)
-    args.prefixes = args.prefixes or (16 if args.quick else 32)
+    args.prefixes = args.prefixes or (32 if args.quick else 48)
     args.per_prefix = args.per_prefix or 3
     args.users = args.users or (4 if args.quick else 8)
     args.turns = args.turns or (4 if args.quick else 6)
@@ -223,14 +223,19 @@ PHASES = {
     "async_load": ("vllm:kvtier_async_load_seconds_total", "vllm:kvtier_async_loads_total"),
     "sync_load": ("vllm:kvtier_load_seconds_total", None),
     "retrieve": ("vllm:kvtier_retrieve_seconds_total", "vllm:kvtier_loads_total"),
+    "stage": ("vllm:kvtier_stage_seconds_total", "vllm:kvtier_saves_total"),  # a save's copy on the engine's path
 }
+
+
+#: Lookups answered "not yet" (the prompt's next chunk was being saved): each costs its request a step.
+DEFERRED = "vllm:kvtier_deferred_lookups_total"
 
 
 def metric_totals(url: str) -> dict[str, float]:
     """The samples ``PHASES`` names, summed over their labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = {name for pair in PHASES.values() for name in pair if name} | {"vllm:kvtier_loads_total"}
+    wanted = {name for pair in PHASES.values() for name in pair if name} | {"vllm:kvtier_loads_total", DEFERRED}
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for sample in family.samples:
@@ -250,6 +255,8 @@ def phases(after: dict[str, float], before: dict[str, float]) -> dict[str, float
         if n > 0:
             out[f"{phase}_ms"] = round(1000 * change.get(total, 0.0) / n, 1)
             out[f"{phase}_n"] = int(n)
+    if change.get(DEFERRED):
+        out["deferred_lookups"] = int(change[DEFERRED])
     return out
 
 
@@ -301,15 +308,39 @@ class QueueSampler:
 _GAUGE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\} ([0-9.e+-]+)$", re.MULTILINE)
 
 
-def measured(url: str, clear: str | None, model: Path, args, concurrency: int) -> dict:
+def cpu_seconds(service: Service | None) -> float:
+    """CPU time a service's processes (vLLM's API server and its engine core, or a cache server)
+    have used: on two cores, what one takes the others wait for."""
+    if service is None or service.proc is None:
+        return 0.0
+    import psutil
+
+    try:
+        root = psutil.Process(service.proc.pid)
+        total = 0.0
+        for process in (root, *root.children(recursive=True)):
+            times = process.cpu_times()
+            total += times.user + times.system
+        return total
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def measured(url: str, clear: str | None, model: Path, args, concurrency: int,
+             engine: Service | None = None, server: Service | None = None) -> dict:
+    """One run of vLLM's client from empty caches: its figures, where the time went (``phases``),
+    the queue vLLM held, and the CPU seconds the engine and its cache server used."""
     reset(url, clear)
     before, metrics_before = prompt_tokens_by_source(url), metric_totals(url)
+    cpu_before = cpu_seconds(engine), cpu_seconds(server)
     load = os.getloadavg()[0]
     with QueueSampler(url) as queue:
         result = bench_run(url, model, args, concurrency)
     running, waiting = queue.means()
+    cpu = [round(cpu_seconds(service) - was, 2) for service, was in zip((engine, server), cpu_before)]
     return {
         "phases": phases(metric_totals(url), metrics_before), "running_mean": running, "waiting_mean": waiting,
+        "engine_cpu_s": cpu[0], "server_cpu_s": cpu[1],
         "req_per_s": result["request_throughput"], "output_tok_per_s": result["output_throughput"],
         "ttft_p50_ms": result["median_ttft_ms"], "ttft_p90_ms": result["p90_ttft_ms"],
         "ttft_p99_ms": result["p99_ttft_ms"], "tpot_p50_ms": result["median_tpot_ms"],
@@ -386,6 +417,8 @@ def prefix_repetition(args) -> int:
         connectors["lmcache"] = lmcache_transfer_config(lm_port)
         clear["lmcache"] = f"http://127.0.0.1:{lm_http_port}/cache/clear"
 
+    server_of = {"kvtier": servers[0], "lmcache": servers[-1] if lmcache else None}
+
     def engine(name: str, cache_blocks: int) -> tuple[Service, str]:
         port = free_port()
         service = vllm_server(f"vllm-{name}", model, port, env, logs, connectors.get(name), max_model_len=max_len,
@@ -413,17 +446,19 @@ def prefix_repetition(args) -> int:
             for service in capped:
                 service.wait_healthy(600)
             urls = {**{name: url for name, (_, url) in engines.items()}, "floor": floor_url}
+            services = {**{name: service for name, (service, _) in engines.items()}, "floor": floor}
             runs[concurrency] = {name: [] for name in names}
             for repeat in range(args.repeats):
                 order = names if (k + repeat) % 2 == 0 else names[::-1]
                 for name in order:
                     time.sleep(0.5)
-                    r = measured(urls[name], clear.get(name), model, args, concurrency)
+                    r = measured(urls[name], clear.get(name), model, args, concurrency, services[name], server_of.get(name))
                     r["hit_ttft_p50_ms"] = hit_ttft_p50_ms(r, firsts)
                     runs[concurrency][name].append(r)
                     print(f"concurrency {concurrency:>2} repeat {repeat + 1} {name:<7} {r['req_per_s']:.2f} req/s,"
                           f" TTFT p50 {r['ttft_p50_ms']:.0f} ms (hits {r['hit_ttft_p50_ms']:.0f} ms), {r['seconds']:.1f} s, running"
-                          f" {r['running_mean']:.1f} waiting {r['waiting_mean']:.1f} (mean), load {r['load_average']}",
+                          f" {r['running_mean']:.1f} waiting {r['waiting_mean']:.1f} (mean), CPU s engine {r['engine_cpu_s']}"
+                          f" server {r['server_cpu_s']}, load {r['load_average']}",
                           flush=True)
             if k == len(args.concurrency) - 1:
                 check = check_subset(urls, clear["kvtier"], [p for p, first in zip(prompts, firsts) if first],
@@ -545,6 +580,8 @@ def _summarise(args, runs: dict[int, dict[str, list[dict]]], check: dict, capped
             shown = ", ".join(f"{phase} {ms} ms" + (f" (x{n})" if phase not in ("ttft", "queued", "prefill") else "")
                               for phase in PHASES if (ms := rs[-1]["phases"].get(f"{phase}_ms")) is not None
                               and (n := rs[-1]["phases"][f"{phase}_n"]))
+            if "deferred_lookups" in rs[-1]["phases"]:
+                shown += f", {rs[-1]['phases']['deferred_lookups']} lookups deferred"
             print(f"     {name:<8} mean of the last repeat: {shown}")
         c = per_conc[concurrency] = _per_concurrency(scenarios)
         print(f"     medians: gap closed: throughput {c['gap_closed_throughput']} ({c['spread']['gap_closed_throughput']}),"
