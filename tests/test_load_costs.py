@@ -1,4 +1,4 @@
-"""Load or recompute (kvtier/integrations/vllm/load_costs.py): the estimates follow what they
+"""Load or recompute (kvtier/paged/load_costs.py): the estimates follow what they
 measure, and a hit is cut where computing the rest is faster than loading it."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.common import KvtierWorkerMetadata, LoadSample
+from kvtier.integrations.vllm.common import KvtierWorkerMetadata
 from kvtier.integrations.vllm.config import parse_extra_config
-from kvtier.integrations.vllm.load_costs import RobustFit, LoadOrRecompute
+from kvtier.paged.jobs import LoadSample
+from kvtier.paged.load_costs import RobustFit, LoadOrRecompute
 
 CHUNK = 256
 #: the engine's prefill: 2 ms a step, 20 us a token, 2 ns per token of context it attends to
@@ -322,7 +323,7 @@ def test_the_chosen_cut_never_costs_more_than_loading_everything(data):
 
 def test_each_change_of_decision_is_logged_with_the_estimates_and_counted(caplog):
     costs = measured({"redis": (0.05, 2e-4)})
-    with caplog.at_level(logging.INFO, logger="vllm.kvtier.integrations.vllm.load_costs"):
+    with caplog.at_level(logging.INFO, logger="vllm.kvtier.paged.load_costs"):
         assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=1.0).end == 0
         assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=1.0).end == 0  # no change: no line
         for _ in range(3):  # redis got fast (probes, after a gap, say so)

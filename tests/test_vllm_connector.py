@@ -149,8 +149,8 @@ def test_connector_keeps_numba_out_of_vllm_processes():
 
 
 def _full_group(layers: int):
-    from kvtier.integrations.vllm.common import GroupLayout
     from kvtier.paged.groups import FullAttention
+    from kvtier.paged.layout import GroupLayout
 
     layout = KVLayout(layers, 2, 32, "float32", block_size=16, arrangement="test")
     return GroupLayout(0, FullAttention(), tuple(f"layer{i}" for i in range(layers)), (16 * layout.bytes_per_token // layers,), layout)
@@ -159,7 +159,7 @@ def _full_group(layers: int):
 def _paged(num_blocks: int = 64, layers: int = 3):
     import torch
 
-    from kvtier.integrations.vllm.blocks import PagedKV
+    from kvtier.paged.pages import PagedKV
 
     allocation = torch.randn(layers, num_blocks, 2, 16, 64)  # [layer, block, heads, tokens, K and V]
     return PagedKV({f"layer{i}": allocation[i] for i in range(layers)}, _full_group(layers), num_blocks), allocation
@@ -183,7 +183,7 @@ def test_pages_round_trip_through_a_payload_byte_for_byte(block_ids):
 
 
 def test_staging_ring_hands_out_regions_in_order_and_never_overlapping():
-    from kvtier.integrations.vllm.saver import StagingRing
+    from kvtier.paged.saver import StagingRing
 
     ring = StagingRing(100)
     assert ring.allocate(101) is None

@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.integrations.vllm.common import LoadSample
-from kvtier.integrations.vllm.load_costs import LoadOrRecompute
 from kvtier.integrations.vllm.metrics import FIGURES, PREFIX, Interval, KvtierPromMetrics, build_stats, totals
 from kvtier.integrations.vllm.scheduler import tokens_by_tier
+from kvtier.paged.jobs import LoadSample
+from kvtier.paged.load_costs import LoadOrRecompute
 from kvtier_testing.engine_process import kvtier_transfer_config
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.services import MODEL_NAME, free_port, service_env, vllm_server

@@ -23,9 +23,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import ConfigError
 from kvtier.events import Medium
-from kvtier.integrations.vllm.common import EngineLayout, KvtierConnectorMetadata, engine_layout
+from kvtier.integrations.vllm.common import KvtierConnectorMetadata, engine_layout
 from kvtier.integrations.vllm.config import ConnectorConfig, parse_extra_config
 from kvtier.integrations.vllm.metrics import KvtierPromMetrics, build_stats
+from kvtier.paged.layout import EngineLayout
 from kvtier.tiers.base import medium_of
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ asks again next step, in two cases:
   ``kvtier_prefilled_tokens``) and its KV has not reached the cache yet: it waits up to
   ``prefill_wait_s``, then what is missing is computed here (``prefill_wait_timeouts``).
 
-Load or recompute (``load_or_recompute``, load_costs.py): the hit is cut where computing the
+Load or recompute (``load_or_recompute``, kvtier/paged/load_costs.py): the hit is cut where computing the
 rest is faster than loading it from the tiers that hold it (a slow remote tier is skipped; what
 is computed past the cut is stored again, into L1). The estimates come back from the workers:
 each load's retrieves by tier, and the steps that prefill, which the metadata names
@@ -54,27 +54,18 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
+from kvtier.integrations.vllm.block_records import block_records
+from kvtier.integrations.vllm.common import KvtierConnectorMetadata, KvtierWorkerMetadata, names_tenant, request_scope
+from kvtier.integrations.vllm.config import ConnectorConfig
+from kvtier.integrations.vllm.keystores import close_cache, open_cache
+from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
 from kvtier.keys import ChunkSpan, PrefixKeys, prefix_keys
 from kvtier.keystore import Pin
-from kvtier.integrations.vllm.common import (
-    EngineLayout,
-    KvtierConnectorMetadata,
-    KvtierWorkerMetadata,
-    LoadJob,
-    NamespaceCache,
-    ReqId,
-    RequestScope,
-    SaveJob,
-    names_tenant,
-    pages,
-    request_scope,
-)
-from kvtier.integrations.vllm.block_records import block_records
-from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.hits import best_end
-from kvtier.integrations.vllm.keystores import close_cache, open_cache
-from kvtier.integrations.vllm.load_costs import LoadOrRecompute
-from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
+from kvtier.paged.hits import best_end
+from kvtier.paged.jobs import LoadJob, ReqId, SaveJob
+from kvtier.paged.layout import EngineLayout, pages
+from kvtier.paged.load_costs import LoadOrRecompute
+from kvtier.paged.namespaces import NamespaceCache, RequestScope
 from kvtier.paged.planner import (
     Found, InFlightDedup, LoadFailed, Planner, PrefillWait, RepeatedAsk, RequestState, SavesInFlight,
     SchedulerStats, ShortLookupSkip, SyncOrAsync, WorthLoading,
@@ -87,7 +78,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
-#: Half-life of the load-or-recompute measurements' weight (load_costs.py).
+#: Half-life of the load-or-recompute measurements' weight (kvtier/paged/load_costs.py).
 COST_HALF_LIFE_S = 60.0
 
 
@@ -109,7 +100,7 @@ class KvtierScheduler:
         self._interval = Interval()
         self._block_ids_of = block_ids_of
         self._loads: list[LoadJob] = []
-        self._probes: list[LoadJob] = []  # reads of skipped tiers, to measure them (load_costs.py)
+        self._probes: list[LoadJob] = []  # reads of skipped tiers, to measure them (kvtier/paged/load_costs.py)
         self._history: list[SaveJob] = []  # history jobs of finished requests, for the next step
         self._next_job = 1
         # how long an unconfirmed save may hold back lookups of its prefix
@@ -176,7 +167,7 @@ class KvtierScheduler:
         return Found(chunk, hit, tiers, spans, pins)
 
     def _probe(self, state: RequestState, found: Found, first: int, hit: int) -> None:
-        """A probe of a skipped tier (load_costs.py): a probe job of the next step's metadata."""
+        """A probe of a skipped tier (kvtier/paged/load_costs.py): a probe job of the next step's metadata."""
         self._probes.append(self._probe_job(state.request.request_id, state.scope, found.tiers, found.spans, found.chunk,
                                             first, hit))
 
@@ -367,7 +358,7 @@ class KvtierScheduler:
         return job
 
     def _time_step(self, scheduler_output: "SchedulerOutput") -> int:
-        """A step id for the workers to report back if the step prefills (load_costs.py), else 0."""
+        """A step id for the workers to report back if the step prefills (kvtier/paged/load_costs.py), else 0."""
         if self.costs is None:
             return 0
         scheduled = scheduler_output.num_scheduled_tokens
@@ -390,7 +381,7 @@ class KvtierScheduler:
         return step
 
     def _observe(self, worker_meta: KvtierWorkerMetadata) -> None:
-        """The workers' figures for load_costs.py: the timed step's wall time (its loads taken
+        """The workers' figures for kvtier/paged/load_costs.py: the timed step's wall time (its loads taken
         out) and each load's retrieves."""
         now = time.monotonic()
         for sample in worker_meta.load_samples:

@@ -2,13 +2,13 @@
 
 Each engine step:
 
-    start_load_kv        the step's loads (loader.py): synchronous ones before the forward pass
+    start_load_kv        the step's loads (kvtier/paged/loader.py): synchronous ones before the forward pass
                          (one retrieve per request of the chunks the scheduler named: keys, no
                          hashing here; none that vLLM holds already; then whole pages copied into
                          vLLM's blocks), asynchronous ones queued for the loader thread
     wait_for_save        (after the forward pass) the pages of the chunks the step completed are
                          copied into slots of the server's shared memory or a staging ring, and
-                         a saver thread commits or stores them (saver.py); never a job whose
+                         a saver thread commits or stores them (kvtier/paged/saver.py); never a job whose
                          blocks a load of the step did not fill (below)
     get_transfer_results asynchronous loads finished (and failed), finished requests whose
                          history is copied out; ``get_block_ids_with_load_errors`` blocks not loaded
@@ -33,18 +33,15 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from kvtier.integrations.vllm.blocks import PagedKV
-from kvtier.integrations.vllm.common import (
-    EngineLayout,
-    KvtierConnectorMetadata,
-    KvtierWorkerMetadata,
-    NamespaceCache,
-)
+from kvtier.integrations.vllm.common import KvtierConnectorMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
-from kvtier.integrations.vllm.loader import Loader
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
-from kvtier.integrations.vllm.saver import Saver
+from kvtier.paged.layout import EngineLayout
+from kvtier.paged.loader import Loader
+from kvtier.paged.namespaces import NamespaceCache
+from kvtier.paged.pages import PagedKV
+from kvtier.paged.saver import Saver
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
@@ -110,7 +107,7 @@ class KvtierWorker:
         self.loader: Loader | None = None
         self._released: set[str] = set()
         self._unstored: dict[str, int] = {}  # request -> token from which its KV is not cached (metadata)
-        # for the scheduler's load-or-recompute estimates (load_costs.py): the step timed
+        # for the scheduler's load-or-recompute estimates (kvtier/paged/load_costs.py): the step timed
         self._timed_step = 0
         self._saver: Saver | None = None
         # a key store each for synchronous loads, asynchronous loads (their thread) and saves,
@@ -118,7 +115,7 @@ class KvtierWorker:
         self._loads = open_cache(config) if config.load else None
         self._async_loads = open_cache(config) if config.load else None
         self._saves = open_cache(config) if config.save else None
-        # and one for probes of slow tiers (loader.py), connected on its first probe
+        # and one for probes of slow tiers (kvtier/paged/loader.py), connected on its first probe
         self._probes = open_cache(config) if config.load and config.load_or_recompute else None
         # connect (and map the server's arena) now rather than on the first request's path
         for cache in (self._loads, self._async_loads, self._saves):
@@ -141,7 +138,7 @@ class KvtierWorker:
             self.engine.arrangement, self.config.save_buffer_gb if self._saver is not None else 0.0,
         )
 
-    # -- loads (loader.py) ----------------------------------------------------------------------
+    # -- loads (kvtier/paged/loader.py) ----------------------------------------------------------------------
 
     def start_load_kv(self, metadata: KvtierConnectorMetadata) -> None:
         self._timed_step = metadata.timed_step

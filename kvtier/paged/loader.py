@@ -42,9 +42,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtier.cache import Retrieval, TokenCache
-from kvtier.integrations.vllm.blocks import PagedKV
-from kvtier.integrations.vllm.common import NULL_BLOCK, LoadJob, LoadSample
 from kvtier.keystore import Pin
+from kvtier.paged.jobs import LoadJob, LoadSample
+from kvtier.paged.layout import NULL_BLOCK
+from kvtier.paged.pages import PagedKV
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.worker import KvtierWorker

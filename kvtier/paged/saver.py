@@ -36,7 +36,8 @@ from kvtier.cache import TokenCache
 from kvtier.keys import ChunkSpan, Namespace
 from kvtier.keystore import Reservation
 from kvtier.objects import HEADER_SIZE
-from kvtier.integrations.vllm.common import NULL_BLOCK, SaveJob
+from kvtier.paged.jobs import SaveJob
+from kvtier.paged.layout import NULL_BLOCK
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.worker import KvtierWorker
@@ -173,7 +174,7 @@ class Saver:
         return objects
 
     def skip(self, job: SaveJob) -> None:
-        """A job not to store (its KV is wrong: worker.py): reported finished."""
+        """A job not to store (its KV is wrong: kvtier/integrations/vllm/worker.py): reported finished."""
         self._finished(job)
 
     def _drop(self, job: SaveJob) -> None:

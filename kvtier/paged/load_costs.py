@@ -52,7 +52,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtier.integrations.vllm.common import LoadSample
+from kvtier.paged.jobs import LoadSample
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
@@ -382,7 +382,7 @@ class LoadOrRecompute:
         return total
 
     def gauges(self) -> dict:
-        """What vLLM's /metrics shows of the estimates (``SchedulerStats`` fields, metrics.py):
+        """What vLLM's /metrics shows of the estimates (``SchedulerStats`` fields, kvtier/integrations/vllm/metrics.py):
         the prefill's cost a token, its and each tier's measured rate, and the changes of decision."""
         figures = self.figures()
         prefill = figures["prefill"] or {}

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from kvtier.cache import LookupResult
-from kvtier.integrations.vllm.common import GroupLayout
 from kvtier.keys import ChunkSpan, PrefixKeys
 from kvtier.paged.groups import spans_by_end
+from kvtier.paged.layout import GroupLayout
 
 
 def best_end(
