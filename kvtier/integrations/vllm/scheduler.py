@@ -70,6 +70,7 @@ from kvtier.paged.planner import (
     Found, InFlightDedup, LoadFailed, Planner, PrefillWait, RepeatedAsk, RequestState, SavesInFlight,
     SchedulerStats, ShortLookupSkip, SyncOrAsync, WorthLoading,
 )
+from kvtier.paged.saves import SavePlanner
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -102,9 +103,9 @@ class KvtierScheduler:
         self._loads: list[LoadJob] = []
         self._probes: list[LoadJob] = []  # reads of skipped tiers, to measure them (kvtier/paged/load_costs.py)
         self._history: list[SaveJob] = []  # history jobs of finished requests, for the next step
-        self._next_job = 1
         # how long an unconfirmed save may hold back lookups of its prefix
         self._saves = SavesInFlight(2 * config.timeout_s + 1.0, engine.tp_size)
+        self._save_plan = SavePlanner(engine, self._saves, self.stats, self._records)
         self._chunk_warned = False
         self._tenant_warned = False
         self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
@@ -187,12 +188,14 @@ class KvtierScheduler:
         """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
         per request."""
         if state.keys is None:
-            tokens = np.asarray(state.tokens, dtype=np.uint32)
-            state.keys = [
-                [prefix_keys(ns, tokens, chunk, self.block_size) for ns in self.namespaces.get(rank, state.scope)]
-                for rank in range(self.engine.tp_size)
-            ]
+            state.keys = self._hash(state.scope, state.tokens, chunk)
         return state.keys
+
+    def _hash(self, scope: RequestScope, tokens: list[int], chunk: int) -> list[list[PrefixKeys]]:
+        """The keys of ``tokens``' chunks and partial chunks, per TP rank and group."""
+        array = np.asarray(tokens, dtype=np.uint32)
+        return [[prefix_keys(ns, array, chunk, self.block_size) for ns in self.namespaces.get(rank, scope)]
+                for rank in range(self.engine.tp_size)]
 
     def _lookup(self, keys: list[list[PrefixKeys]], prompt_len: int
                 ) -> tuple[int, list[str], list[list[list[ChunkSpan]]], list[list[Pin | None]]]:
@@ -314,48 +317,24 @@ class KvtierScheduler:
         return meta
 
     def _plan_save(self, req_id: ReqId, computed: int, chunk: int, meta: KvtierConnectorMetadata) -> None:
-        """A save job for the objects the step completes, if any: the chunks it completes, and
-        the recurrent state where it ended on a block boundary."""
+        """A save job for the objects the step completes, if any."""
         tracked = self._admitted(req_id)
-        if tracked is None:
+        end = self._save_plan.step_end(tracked, computed, chunk) if tracked is not None else None
+        if end is None:
             return
-        prompt = len(tracked.tokens)
-        end = prompt if computed >= prompt else computed // chunk * chunk
-        if end <= tracked.saved_upto and not (self.engine.has_state and computed % self.block_size == 0):
-            return
-        keys = self._request_keys(tracked, chunk)
-        spans = [
-            [
-                group.kind.save_spans(group.layout, group_keys, tracked.saved_upto, end, computed)
-                if rank == 0 or not group.kind.same_on_every_rank else []  # one rank stores what all ranks share
-                for group, group_keys in zip(self.engine.groups, rank_keys)
-            ]
-            for rank, rank_keys in enumerate(keys)
-        ]
-        if not any(spans[0]):
-            return
-        blocks = self._block_ids_of(req_id)
-        records = [
-            block_records(tracked.request, tracked.tokens, group_spans, self.block_size, self.served_model, group.index)
-            if group.kind.published else {}
-            for group, group_spans in zip(self.engine.groups, spans[0])
-        ]
-        job = SaveJob(req_id, tracked.scope, spans, [list(blocks[g.index][: pages(computed, self.block_size)]) for g in self.engine.groups], self._next_job, records)
-        meta.saves.append(self._start_job(job, tracked, end))
+        job = self._save_plan.plan(tracked, self._request_keys(tracked, chunk), tracked.tokens, end, computed,
+                                   self._block_ids_of(req_id))
+        if job is not None:
+            meta.saves.append(job)
 
     def _admitted(self, req_id: ReqId) -> RequestState | None:
         """The request's record if vLLM has given it blocks (its saves are planned), else None."""
         state = self.planner.states.get(req_id)
         return state if state is not None and state.admitted else None
 
-    def _start_job(self, job: SaveJob, tracked: RequestState, end: int) -> SaveJob:
-        job.job_id = self._next_job
-        self._next_job += 1
-        self._saves.start(job.job_id, [s.key for s in job.spans[0][0]])
-        tracked.saved_upto = max(tracked.saved_upto, end)
-        tracked.save_jobs += 1
-        self.stats.save_jobs += 1
-        return job
+    def _records(self, state: RequestState, tokens: list[int], spans: list[ChunkSpan], group_index: int) -> dict:
+        """vLLM's block hashes of what a save stores, for the KV events."""
+        return block_records(state.request, tokens, spans, self.block_size, self.served_model, group_index)
 
     def _time_step(self, scheduler_output: "SchedulerOutput") -> int:
         """A step id for the workers to report back if the step prefills (kvtier/paged/load_costs.py), else 0."""
@@ -434,24 +413,13 @@ class KvtierScheduler:
         if end <= max(tracked.saved_upto, request.num_prompt_tokens) or any(len(b) < pages(end, self.block_size) for b in block_ids):
             return False
         tokens = request.all_token_ids[:end]
-        array = np.asarray(tokens, dtype=np.uint32)  # the prompt's chunks are hashed again: a rare job
-        keys = [[prefix_keys(ns, array, chunk, self.block_size) for ns in self.namespaces.get(rank, tracked.scope)]
-                for rank in range(self.engine.tp_size)]
-        spans = [
-            [group.kind.save_spans(group.layout, group_keys, tracked.saved_upto, end, end)
-             if rank == 0 or not group.kind.same_on_every_rank else []
-             for group, group_keys in zip(self.engine.groups, rank_keys)]
-            for rank, rank_keys in enumerate(keys)
-        ]
-        if not any(spans[0]):
+        keys = self._hash(tracked.scope, tokens, chunk)  # the prompt's chunks are hashed again: a rare job
+        history = end - max(tracked.saved_upto, request.num_prompt_tokens)
+        job = self._save_plan.plan(tracked, keys, tokens, end, end, block_ids, release=True)
+        if job is None:
             return False
-        records = [block_records(request, tokens, group_spans, self.block_size, self.served_model, group.index)
-                   if group.kind.published else {} for group, group_spans in zip(self.engine.groups, spans[0])]
-        job = SaveJob(request.request_id, tracked.scope, spans,
-                      [list(block_ids[g.index][: pages(end, self.block_size)]) for g in self.engine.groups],
-                      records=records, release=True)
-        self.stats.history_tokens += end - max(tracked.saved_upto, request.num_prompt_tokens)
-        self._history.append(self._start_job(job, tracked, end))
+        self.stats.history_tokens += history
+        self._history.append(job)
         return True
 
     def figures(self) -> dict:
