@@ -42,7 +42,7 @@ def test_interval_gives_what_each_figure_gained_and_nothing_when_idle():
 
 def test_every_figure_names_a_field_of_the_connector_stats():
     from kvtier.integrations.vllm.scheduler import SchedulerStats
-    from kvtier.integrations.vllm.worker import WorkerStats
+    from kvtier.paged.context import WorkerStats
 
     fields = set(SchedulerStats().as_dict()) | set(WorkerStats().snapshot())
     assert {f.field for f in FIGURES} <= fields
@@ -50,7 +50,7 @@ def test_every_figure_names_a_field_of_the_connector_stats():
 
 
 def test_worker_counters_bumped_from_several_threads_lose_nothing():
-    from kvtier.integrations.vllm.worker import WorkerStats
+    from kvtier.paged.context import WorkerStats
 
     stats = WorkerStats()
 

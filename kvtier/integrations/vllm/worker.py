@@ -28,8 +28,6 @@ has recomputed it.
 from __future__ import annotations
 
 import logging
-import threading
-from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -37,6 +35,7 @@ from kvtier.integrations.vllm.common import KvtierConnectorMetadata, KvtierWorke
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
+from kvtier.paged.context import WorkerContext, WorkerStats
 from kvtier.paged.layout import EngineLayout
 from kvtier.paged.loader import Loader
 from kvtier.paged.namespaces import NamespaceCache
@@ -46,53 +45,6 @@ from kvtier.paged.saver import Saver
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
 
-@dataclass
-class WorkerStats:
-    """Running totals of one worker. The engine's thread, the loader, probe and saver threads
-    all bump them: through ``add`` (a ``+=`` from two threads can lose one), read by ``snapshot``."""
-
-    loads: int = 0
-    loaded_tokens: int = 0
-    failed_loads: int = 0
-    failed_load_tokens: int = 0  # tokens of those that did not arrive: handed back to vLLM to compute
-    load_bytes: int = 0
-    load_s: float = 0.0  # on the engine's path: retrieve + copy (synchronous loads)
-    async_loads: int = 0  # of ``loads``: on the loader thread, beside the engine's steps
-    async_load_s: float = 0.0  # their time, off the engine's path
-    probes: int = 0  # probe jobs read (and released uncopied) on the probe thread
-    retrieve_s: float = 0.0
-    pinned_retrieves: int = 0  # retrieves that used the lookup's pin: no call of their own
-    stage_s: float = 0.0  # on the engine's path: copying pages out of vLLM's blocks
-    staged_to_slots: int = 0  # saves whose pages went straight into lent slots of the server's shared memory
-    saves: int = 0
-    saved_chunks: int = 0
-    save_bytes: int = 0
-    save_bytes_by_group: dict[int, int] = field(default_factory=dict)  # vLLM's group index -> bytes
-    dropped_saves: int = 0
-    unsaved_objects: int = 0  # objects a save left out: vLLM no longer kept a block they need
-    failed_saves: int = 0
-    unloaded_saves: int = 0  # save jobs not stored: a block they need did not load in their step
-    save_s: float = 0.0  # in the saver thread
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def add_labelled(self, name: str, label: int, delta: int) -> None:
-        """Bump one label of a by-label total (``save_bytes_by_group``)."""
-        with self._lock:
-            by_label = getattr(self, name)
-            by_label[label] = by_label.get(label, 0) + delta
-
-    def snapshot(self) -> dict:
-        """Every total as it is now (by-label totals copied)."""
-        with self._lock:
-            return {f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
-                    for f in fields(self) if f.name != "_lock"}
-
-
 class KvtierWorker:
     def __init__(self, config: ConnectorConfig, engine: EngineLayout, tp_rank: int, num_blocks: int) -> None:
         self.config = config
@@ -100,7 +52,6 @@ class KvtierWorker:
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
         self.block_size = engine.block_size
-        self.namespaces = NamespaceCache(engine)
         self.stats = WorkerStats()
         self._interval = Interval()
         self.pages: list[PagedKV] | None = None  # per group
@@ -124,10 +75,11 @@ class KvtierWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = [PagedKV(kv_caches, group, self.num_blocks) for group in self.engine.groups]
+        context = WorkerContext(self.engine, self.tp_rank, self.pages, NamespaceCache(self.engine), self.stats)
         if self._loads is not None:
-            self.loader = Loader(self, self._loads, self._async_loads, self._probes)
+            self.loader = Loader(context, self._loads, self._async_loads, self._probes, self.config.layerwise_load)
         if self._saves is not None:
-            self._saver = Saver(self, self._saves, int(self.config.save_buffer_gb * (1 << 30)))
+            self._saver = Saver(context, self._saves, int(self.config.save_buffer_gb * (1 << 30)))
         log.info(
             "kvtier: %s, arrangement %s, %.2f GiB of save staging",
             "; ".join(
