@@ -111,6 +111,24 @@ def test_a_requests_tenant_is_the_proxys_name_where_trusted_else_a_label_of_its_
     assert tenant({"kvtier_tenant": 7}) == tenant({}) == tenant() == ""  # the default tenant
 
 
+@pytest.mark.parametrize("tiers, source", [
+    ([], "host"),  # no tier known: L1
+    (["memory", "memory"], "host"),
+    (["memory", "disk-0"], "disk"),  # the outermost tier of the hit
+    (["memory", "redis"], "external_unspecified"),  # a remote medium: vLLM has no name for it
+    (["memory", "no-such-medium"], "external_unspecified"),
+])
+def test_hits_are_reported_to_vllm_by_the_outermost_medium_of_their_tiers(tiers, source):
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.connector import KvtierConnector
+
+    connector = SimpleNamespace(connector_scheduler=SimpleNamespace(hit_tiers=lambda request, tokens: tiers))
+    sources = KvtierConnector.get_external_cache_hit_sources(connector, None, 64)
+    assert {s.value: n for s, n in sources.items()} == {source: 64}
+    assert KvtierConnector.get_external_cache_hit_sources(connector, None, 0) == {}
+
+
 def test_connector_roles():
     assert parse_extra_config({}, "kv_producer").save and not parse_extra_config({}, "kv_producer").load
     assert parse_extra_config({}, "kv_consumer").load and not parse_extra_config({}, "kv_consumer").save

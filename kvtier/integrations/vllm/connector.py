@@ -47,10 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
-#: vLLM's name for where hits of each medium come from (tier ids name their medium)
-_HIT_SOURCES = {Medium.MEMORY: CacheHitSource.HOST, Medium.DISK: CacheHitSource.DISK}
-
-
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier's connector; it supports vLLM's hybrid KV-cache allocator (``SupportsHMA``): every
     KV-cache group is cached (common.py, kvtier/paged/groups.py)."""
@@ -164,7 +160,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if not num_external_tokens:
             return {}
         tiers = self.connector_scheduler.hit_tiers(request, num_external_tokens) or [Medium.MEMORY.value]
-        sources = (_HIT_SOURCES.get(medium_of(t), CacheHitSource.EXTERNAL_UNSPECIFIED) for t in tiers)
+        # a tier id names its medium (an unknown one none), the medium its hit source (a remote one none)
+        names = (getattr(medium_of(t), "hit_source", None) for t in tiers)
+        sources = (CacheHitSource(name or CacheHitSource.EXTERNAL_UNSPECIFIED) for name in names)
         source = CacheHitSource.outermost(sources)
         return {source: num_external_tokens}
 
