@@ -16,7 +16,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.common import KvtierWorkerMetadata
 from kvtier.integrations.vllm.config import parse_extra_config
 from kvtier.paged.jobs import LoadSample
-from kvtier.paged.load_costs import RobustFit, LoadOrRecompute
+from kvtier.paged.load_costs import LoadOrRecompute, RobustFit, StepTimer
 
 CHUNK = 256
 #: the engine's prefill: 2 ms a step, 20 us a token, 2 ns per token of context it attends to
@@ -160,6 +160,43 @@ def test_a_probe_of_a_hit_that_cannot_be_cut_loads_nothing():
     costs = measured({"redis": (0.05, 2e-4)}, probe_s=30.0)
     cut = costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=31.0, partial=False)
     assert cut.end == 0 and cut.probe == ("redis", 0)
+
+
+class RecordingCosts:
+    """LoadOrRecompute's measurements, recorded."""
+
+    def __init__(self) -> None:
+        self.loads, self.steps = [], []
+
+    def observe_load(self, sample, now):
+        self.loads.append(sample)
+
+    def observe_step(self, tokens, position_sum, seconds, now):
+        self.steps.append((tokens, position_sum, seconds))
+
+
+def test_steps_that_prefill_are_timed_until_the_workers_report_them():
+    costs = RecordingCosts()
+    timer = StepTimer(costs)
+    assert timer.start([(100, 1), (7, 1)]) == 0  # decode steps only: not timed
+    step = timer.start([(0, 3), (50, 1)])  # positions 0+1+2 and 50
+    assert step == 1
+    sample = LoadSample("memory", 64, 1024, 0.01)
+    timer.report(0, 0.0, [sample])  # a report of no timed step still carries the loads' samples
+    assert costs.loads == [sample] and costs.steps == []
+    timer.report(step, 0.0, [])
+    assert [(t, p) for t, p, _ in costs.steps] == [(4, 53)] and costs.steps[0][2] >= 0.0
+    timer.report(step, 0.0, [])  # reported once only
+    assert len(costs.steps) == 1
+
+
+def test_a_step_whose_report_never_comes_is_forgotten():
+    costs = RecordingCosts()
+    timer = StepTimer(costs)
+    steps = [timer.start([(0, 2)]) for _ in range(StepTimer.MAX_TIMED + 2)]
+    timer.report(steps[0], 0.0, [])
+    timer.report(steps[-1], 0.0, [])
+    assert len(costs.steps) == 1  # the oldest went
 
 
 def test_worker_metadata_merges_ranks():

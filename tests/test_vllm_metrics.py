@@ -20,7 +20,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.integrations.vllm.metrics import FIGURES, PREFIX, Interval, KvtierPromMetrics, build_stats, totals
-from kvtier.integrations.vllm.scheduler import tokens_by_tier
+from kvtier.paged.hits import tokens_by_tier
 from kvtier.paged.jobs import LoadSample
 from kvtier.paged.load_costs import LoadOrRecompute
 from kvtier_testing.engine_process import kvtier_transfer_config

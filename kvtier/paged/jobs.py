@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvtier.keys import ChunkSpan
 from kvtier.keystore import Pin
+from kvtier.paged.layout import EngineLayout
 from kvtier.paged.namespaces import RequestScope
 
 ReqId = str
@@ -66,3 +67,16 @@ class LoadSample:
     tokens: int
     bytes: int
     seconds: float
+
+
+def probe_job(engine: EngineLayout, req_id: ReqId, scope: RequestScope, tiers: list[str],
+              spans: list[list[list[ChunkSpan]]], chunk: int, first: int, hit: int) -> LoadJob:
+    """A probe of a skipped tier (load_costs.py): a job that reads the attention objects of the
+    hit's chunk at ``first`` (one tier holds them) and copies them nowhere: no blocks."""
+    index = first // chunk
+    probe_spans = [
+        [[] if group.kind.keeps_state else [s for s in group_spans if s.start // chunk == index]
+         for group, group_spans in zip(engine.groups, rank_spans)]
+        for rank_spans in spans
+    ]
+    return LoadJob(req_id, scope, probe_spans, first, min(first + chunk, hit), [], tiers)
