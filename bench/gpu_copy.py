@@ -28,10 +28,10 @@ import time
 import numpy as np
 import torch
 
-from kvtier.integrations.vllm.blocks import PagedKV
-from kvtier.integrations.vllm.common import GroupLayout
 from kvtier.layout import KVLayout
 from kvtier.paged.groups import FullAttention
+from kvtier.paged.layout import GroupLayout
+from kvtier.paged.pages import PagedKV
 from kvtier.wire.shm import SharedArena
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import GIB

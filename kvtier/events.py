@@ -26,6 +26,8 @@ class Medium(str, Enum):
 
     - ``kv_event_medium``: vLLM's name for it in KV events (``MEDIUM_CPU``, ``MEDIUM_STORAGE``);
       None where no events are published (the remote tiers keep no ``BlockRecord``).
+    - ``hit_source``: the engines' name for where a cache hit from it came from (vLLM's
+      ``CacheHitSource``: ``host``, ``disk``); None where they have none (a remote store).
     - ``quick_contains``: ``contains`` is answered from an in-memory index in microseconds (so a
       lookup may run on an event loop), not by a network round trip.
     - ``load_cost``: the router's default cost of loading one token's KV from it, in tokens
@@ -33,18 +35,20 @@ class Medium(str, Enum):
       ~30-60x faster than computed; disk reads add a page-cache miss; remote tiers a transfer.
     """
 
-    # value, kv_event_medium, quick_contains, load_cost
-    MEMORY = "memory", "CPU", True, 0.03
-    DISK = "disk", "STORAGE", True, 0.1
-    REDIS = "redis", None, False, 0.2
-    S3 = "s3", None, False, 0.4
+    # value, kv_event_medium, quick_contains, load_cost, hit_source
+    MEMORY = "memory", "CPU", True, 0.03, "host"
+    DISK = "disk", "STORAGE", True, 0.1, "disk"
+    REDIS = "redis", None, False, 0.2, None
+    S3 = "s3", None, False, 0.4, None
 
-    def __new__(cls, value: str, kv_event_medium: str | None, quick_contains: bool, load_cost: float) -> "Medium":
+    def __new__(cls, value: str, kv_event_medium: str | None, quick_contains: bool, load_cost: float,
+                hit_source: str | None) -> "Medium":
         medium = str.__new__(cls, value)
         medium._value_ = value
         medium.kv_event_medium = kv_event_medium
         medium.quick_contains = quick_contains
         medium.load_cost = load_cost
+        medium.hit_source = hit_source
         return medium
 
 

@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvtier.integrations.vllm.common import EngineLayout, GroupLayout, NamespaceCache, RequestScope, pages
 from kvtier.integrations.vllm.config import parse_extra_config
 from kvtier.integrations.vllm.keystores import close_cache
 from kvtier.integrations.vllm.scheduler import KvtierScheduler
@@ -29,6 +28,8 @@ from kvtier.integrations.vllm.worker import KvtierWorker
 from kvtier.keys import ChunkSpan, prefix_keys
 from kvtier.layout import KVLayout
 from kvtier.paged.groups import FullAttention
+from kvtier.paged.layout import EngineLayout, GroupLayout, pages
+from kvtier.paged.namespaces import NamespaceCache, RequestScope
 
 LAYERS, HEADS, HEAD_SIZE = 2, 2, 32
 BLOCK, CHUNK = 16, 32

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.blocks import PagedKV, _runs, block_form
-from kvtier.integrations.vllm.common import GroupLayout
-from kvtier.integrations.vllm.device_copy import PageLocks
 from kvtier.layout import KVLayout
+from kvtier.paged.device_copy import PageLocks
 from kvtier.paged.groups import MLA, FullAttention
+from kvtier.paged.layout import GroupLayout
+from kvtier.paged.pages import PagedKV, _runs, block_form
 
 DEVICE = torch.device(os.environ.get("KVTIER_TEST_DEVICE", "cpu"))
 L, B, N, H, D = 3, 20, 16, 2, 8  # layers, blocks, tokens a block, KV heads, head size

@@ -1,4 +1,4 @@
-"""Load or recompute (kvtier/integrations/vllm/load_costs.py): the estimates follow what they
+"""Load or recompute (kvtier/paged/load_costs.py): the estimates follow what they
 measure, and a hit is cut where computing the rest is faster than loading it."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.common import KvtierWorkerMetadata, LoadSample
+from kvtier.integrations.vllm.common import KvtierWorkerMetadata
 from kvtier.integrations.vllm.config import parse_extra_config
-from kvtier.integrations.vllm.load_costs import RobustFit, LoadOrRecompute
+from kvtier.paged.jobs import LoadSample
+from kvtier.paged.load_costs import LoadOrRecompute, RobustFit, StepTimer
 
 CHUNK = 256
 #: the engine's prefill: 2 ms a step, 20 us a token, 2 ns per token of context it attends to
@@ -159,6 +160,43 @@ def test_a_probe_of_a_hit_that_cannot_be_cut_loads_nothing():
     costs = measured({"redis": (0.05, 2e-4)}, probe_s=30.0)
     cut = costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=31.0, partial=False)
     assert cut.end == 0 and cut.probe == ("redis", 0)
+
+
+class RecordingCosts:
+    """LoadOrRecompute's measurements, recorded."""
+
+    def __init__(self) -> None:
+        self.loads, self.steps = [], []
+
+    def observe_load(self, sample, now):
+        self.loads.append(sample)
+
+    def observe_step(self, tokens, position_sum, seconds, now):
+        self.steps.append((tokens, position_sum, seconds))
+
+
+def test_steps_that_prefill_are_timed_until_the_workers_report_them():
+    costs = RecordingCosts()
+    timer = StepTimer(costs)
+    assert timer.start([(100, 1), (7, 1)]) == 0  # decode steps only: not timed
+    step = timer.start([(0, 3), (50, 1)])  # positions 0+1+2 and 50
+    assert step == 1
+    sample = LoadSample("memory", 64, 1024, 0.01)
+    timer.report(0, 0.0, [sample])  # a report of no timed step still carries the loads' samples
+    assert costs.loads == [sample] and costs.steps == []
+    timer.report(step, 0.0, [])
+    assert [(t, p) for t, p, _ in costs.steps] == [(4, 53)] and costs.steps[0][2] >= 0.0
+    timer.report(step, 0.0, [])  # reported once only
+    assert len(costs.steps) == 1
+
+
+def test_a_step_whose_report_never_comes_is_forgotten():
+    costs = RecordingCosts()
+    timer = StepTimer(costs)
+    steps = [timer.start([(0, 2)]) for _ in range(StepTimer.MAX_TIMED + 2)]
+    timer.report(steps[0], 0.0, [])
+    timer.report(steps[-1], 0.0, [])
+    assert len(costs.steps) == 1  # the oldest went
 
 
 def test_worker_metadata_merges_ranks():
@@ -322,7 +360,7 @@ def test_the_chosen_cut_never_costs_more_than_loading_everything(data):
 
 def test_each_change_of_decision_is_logged_with_the_estimates_and_counted(caplog):
     costs = measured({"redis": (0.05, 2e-4)})
-    with caplog.at_level(logging.INFO, logger="vllm.kvtier.integrations.vllm.load_costs"):
+    with caplog.at_level(logging.INFO, logger="vllm.kvtier.paged.load_costs"):
         assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=1.0).end == 0
         assert costs.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=1.0).end == 0  # no change: no line
         for _ in range(3):  # redis got fast (probes, after a gap, say so)

@@ -111,6 +111,24 @@ def test_a_requests_tenant_is_the_proxys_name_where_trusted_else_a_label_of_its_
     assert tenant({"kvtier_tenant": 7}) == tenant({}) == tenant() == ""  # the default tenant
 
 
+@pytest.mark.parametrize("tiers, source", [
+    ([], "host"),  # no tier known: L1
+    (["memory", "memory"], "host"),
+    (["memory", "disk-0"], "disk"),  # the outermost tier of the hit
+    (["memory", "redis"], "external_unspecified"),  # a remote medium: vLLM has no name for it
+    (["memory", "no-such-medium"], "external_unspecified"),
+])
+def test_hits_are_reported_to_vllm_by_the_outermost_medium_of_their_tiers(tiers, source):
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.connector import KvtierConnector
+
+    connector = SimpleNamespace(connector_scheduler=SimpleNamespace(hit_tiers=lambda request, tokens: tiers))
+    sources = KvtierConnector.get_external_cache_hit_sources(connector, None, 64)
+    assert {s.value: n for s, n in sources.items()} == {source: 64}
+    assert KvtierConnector.get_external_cache_hit_sources(connector, None, 0) == {}
+
+
 def test_connector_roles():
     assert parse_extra_config({}, "kv_producer").save and not parse_extra_config({}, "kv_producer").load
     assert parse_extra_config({}, "kv_consumer").load and not parse_extra_config({}, "kv_consumer").save
@@ -149,8 +167,8 @@ def test_connector_keeps_numba_out_of_vllm_processes():
 
 
 def _full_group(layers: int):
-    from kvtier.integrations.vllm.common import GroupLayout
     from kvtier.paged.groups import FullAttention
+    from kvtier.paged.layout import GroupLayout
 
     layout = KVLayout(layers, 2, 32, "float32", block_size=16, arrangement="test")
     return GroupLayout(0, FullAttention(), tuple(f"layer{i}" for i in range(layers)), (16 * layout.bytes_per_token // layers,), layout)
@@ -159,7 +177,7 @@ def _full_group(layers: int):
 def _paged(num_blocks: int = 64, layers: int = 3):
     import torch
 
-    from kvtier.integrations.vllm.blocks import PagedKV
+    from kvtier.paged.pages import PagedKV
 
     allocation = torch.randn(layers, num_blocks, 2, 16, 64)  # [layer, block, heads, tokens, K and V]
     return PagedKV({f"layer{i}": allocation[i] for i in range(layers)}, _full_group(layers), num_blocks), allocation
@@ -183,7 +201,7 @@ def test_pages_round_trip_through_a_payload_byte_for_byte(block_ids):
 
 
 def test_staging_ring_hands_out_regions_in_order_and_never_overlapping():
-    from kvtier.integrations.vllm.saver import StagingRing
+    from kvtier.paged.saver import StagingRing
 
     ring = StagingRing(100)
     assert ring.allocate(101) is None

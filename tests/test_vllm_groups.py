@@ -13,12 +13,13 @@ import torch
 
 from kvtier.cache import LookupResult
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.blocks import PagedKV
-from kvtier.integrations.vllm.common import GroupLayout, group_layout
-from kvtier.integrations.vllm.hits import best_end
+from kvtier.integrations.vllm.common import group_layout
 from kvtier.keys import Namespace, prefix_keys
 from kvtier.layout import KVLayout
 from kvtier.paged.groups import spans_by_end
+from kvtier.paged.hits import best_end
+from kvtier.paged.layout import GroupLayout
+from kvtier.paged.pages import PagedKV
 
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,

@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client import Counter as PromCounter
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.integrations.vllm.common import LoadSample
-from kvtier.integrations.vllm.load_costs import LoadOrRecompute
 from kvtier.integrations.vllm.metrics import FIGURES, PREFIX, Interval, KvtierPromMetrics, build_stats, totals
-from kvtier.integrations.vllm.scheduler import tokens_by_tier
+from kvtier.paged.hits import tokens_by_tier
+from kvtier.paged.jobs import LoadSample
+from kvtier.paged.load_costs import LoadOrRecompute
 from kvtier_testing.engine_process import kvtier_transfer_config
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.services import MODEL_NAME, free_port, service_env, vllm_server
@@ -42,7 +42,7 @@ def test_interval_gives_what_each_figure_gained_and_nothing_when_idle():
 
 def test_every_figure_names_a_field_of_the_connector_stats():
     from kvtier.integrations.vllm.scheduler import SchedulerStats
-    from kvtier.integrations.vllm.worker import WorkerStats
+    from kvtier.paged.context import WorkerStats
 
     fields = set(SchedulerStats().as_dict()) | set(WorkerStats().snapshot())
     assert {f.field for f in FIGURES} <= fields
@@ -50,7 +50,7 @@ def test_every_figure_names_a_field_of_the_connector_stats():
 
 
 def test_worker_counters_bumped_from_several_threads_lose_nothing():
-    from kvtier.integrations.vllm.worker import WorkerStats
+    from kvtier.paged.context import WorkerStats
 
     stats = WorkerStats()
 

@@ -358,7 +358,7 @@ class SyncOrAsync:
     """Whether a load takes vLLM's asynchronous path: long loads (a worker thread copies while
     the engine steps the other requests) while another request runs (``sync_when_alone``), and
     every load of a model with several groups (vLLM can take back a failed load of such a model
-    only as a whole request, and only on that path; see worker.py)."""
+    only as a whole request, and only on that path; see kvtier/integrations/vllm/worker.py)."""
 
     def __init__(self, groups: int, min_tokens: int, sync_when_alone: bool) -> None:
         self.groups = groups

@@ -5,11 +5,12 @@
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"kvtier.url": "tcp://127.0.0.1:5555"}}'
 
-Modules by the process and job they serve: ``config`` (the ``kvtier.*`` keys), ``common``
-(layout, namespaces and the metadata both sides share), ``scheduler`` (engine-core process:
-lookups, load and save plans), ``worker``, ``saver`` and ``blocks`` (worker processes: copies
-between vLLM's KV pages and kvtier chunks), ``keystores`` (the token cache over an embedded store
-or a server client), ``connector`` (the class vLLM instantiates). See docs/vllm.md.
+Only what is vLLM's lives here; what any paged engine needs is ``kvtier.paged``. Modules:
+``config`` (the ``kvtier.*`` keys), ``common`` (the layout read from vLLM's specs, a request's
+scope, the step's metadata), ``scheduler`` (engine-core process: vLLM's hooks into the planner),
+``worker`` (worker processes: the loader and saver over vLLM's KV tensors), ``block_records``
+(vLLM's block hashes for KV events), ``metrics``, ``keystores`` (the token cache over an
+embedded store or a server client), ``connector`` (the class vLLM instantiates). See docs/vllm.md.
 """
 
 __all__ = ["KvtierConnector"]

@@ -1,26 +1,6 @@
-"""What the scheduler side and the worker side of the connector share: the KV layout read from
-vLLM (one ``GroupLayout`` per KV-cache group: full attention, MLA, sliding window, chunked local,
-Mamba/GDN state; kvtier/paged/groups.py says what each kind needs), the namespaces of a request,
-and the metadata the scheduler sends the workers each step.
-
-Blocks and chunks
------------------
-vLLM keeps KV in blocks of ``block_size`` tokens (128 on the CPU backend); kvtier keys chunks of
-``chunk_size`` tokens, a multiple of the block size. An object is one chunk of one group; its
-payload is, for each layer of the group in vLLM's order, the pages of the blocks it holds, each page copied byte for byte
-from vLLM's standardized per-layer view ``[blocks, heads, tokens, content]`` (one page = one
-block of one layer). Whole pages are copied, never single tokens, so the interior of a page
-(the CPU backend stores K transposed, CUDA backends differ) never has to be interpreted; the
-arrangement name says which engine, device and layout the pages come from, so pages of one
-backend are never handed to another.
-
-A prompt is cached whole. Its full chunks are objects of ``chunk_size`` tokens; where it ends
-inside a chunk, two more objects may be stored: the **partial chunk** up to the prompt's last
-full block (a later prompt that continues this one reuses it) and the **tail**, up to the
-prompt's last token, whose last page is only partly filled (the same prompt again, or a decode
-instance after a prefill instance, then computes one token). A load copies whole pages and
-always leaves the prompt's last token to compute: vLLM writes that slot, and the slots past it,
-in the forward pass after the load.
+"""What the scheduler side and the worker side of the connector share and only vLLM has: the
+``EngineLayout`` read from vLLM's configs and specs (kvtier/paged/layout.py), the scope of a
+vLLM request, and the metadata the scheduler sends the workers each step (and they answer).
 """
 
 from __future__ import annotations
@@ -28,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -36,10 +16,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkSpan, Namespace
-from kvtier.keystore import Pin
 from kvtier.layout import DTYPE_SIZES, KVLayout
 from kvtier.paged.groups import MLA, ChunkedLocal, FullAttention, GroupKind, RecurrentState, SlidingWindow, Window
+from kvtier.paged.jobs import LoadJob, LoadSample, ReqId, SaveJob
+from kvtier.paged.layout import EngineLayout, GroupLayout
+from kvtier.paged.namespaces import RequestScope
 from kvtier.tiers.tenants import salt_label, valid_tenant
 
 if TYPE_CHECKING:
@@ -47,22 +28,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-ReqId = str
-
 
 #: The ``kv_transfer_params`` key by which a proxy names a request's tenant (its quota: docs/policies.md);
 #: taken only with ``kvtier.trust_request_tenant``, since any client can set it.
 TENANT_PARAM = "kvtier_tenant"
-
-
-class RequestScope(NamedTuple):
-    """The part of a key's namespace that varies per request: the LoRA adapter (its KV differs
-    from the base model's) and vLLM's ``cache_salt`` (tenants that must not share a cache); and
-    the tenant whose quota its stores count against (not part of the keys)."""
-
-    lora: str = ""
-    salt: str = ""
-    tenant: str = ""
 
 
 def names_tenant(request: "Request") -> bool:
@@ -97,62 +66,6 @@ def _dtype_name(dtype) -> str:
     if name not in DTYPE_SIZES:
         raise ConfigError(f"kvtier cannot cache KV of dtype {name!r} (known: {sorted(DTYPE_SIZES)})")
     return name
-
-
-#: vLLM's null block: the placeholder in a group's block table where the group keeps no KV
-#: (tokens outside a sliding window or a local chunk, recurrent states not kept)
-NULL_BLOCK = 0
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """One of vLLM's KV-cache groups as kvtier stores it: its layers in vLLM's order, the byte
-    size of each of a layer's per-block rows (one page for attention; the conv and the SSM
-    state for Mamba/GDN), and the ``KVLayout`` its objects are keyed and checked with (the kind
-    and every parameter of the group's spec are in it: a change in any of them never hits)."""
-
-    index: int  # vLLM's KV-cache group id
-    kind: GroupKind
-    layer_names: tuple[str, ...]
-    rows: tuple[int, ...]  # bytes of each per-block row of one layer
-    layout: KVLayout  # of TP rank 0
-
-    def layout_of(self, tp_rank: int) -> KVLayout:
-        return self.layout if self.kind.same_on_every_rank else dataclasses.replace(self.layout, tp_rank=tp_rank)
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one block of one layer."""
-        return sum(self.rows)
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """What both sides derive from vLLM's configs: the model, its KV-cache groups, and the
-    block size and tensor-parallel size they share."""
-
-    model: str
-    revision: str
-    groups: tuple[GroupLayout, ...]
-    block_size: int
-    tp_size: int
-    arrangement: str
-    #: Load only hits that leave the prompt's last token alone to compute. Set for MLA on vLLM's
-    #: CPU build (chunked prefill off): its rotary op takes the heads of MLA's 3-D query as
-    #: tokens, so every MLA step's answer depends on how many tokens the step holds, and a
-    #: prefill after loaded context differs from vLLM alone's (greedy tokens too; vLLM's own
-    #: ExampleConnector alike). A one-token rest takes the decode path, as vLLM alone's next
-    #: token does, and matches it (tests/test_vllm_families.py pins the rotary op).
-    whole_prompt_loads: bool = False
-
-    @property
-    def has_state(self) -> bool:
-        """Whether a group keeps recurrent state: hits must then end where a state was saved."""
-        return any(g.kind.keeps_state for g in self.groups)
-
-    @property
-    def num_layers(self) -> int:
-        return sum(len(g.layer_names) for g in self.groups)
 
 
 def _check_attention(spec) -> None:
@@ -266,109 +179,31 @@ def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
     )
 
 
-class NamespaceCache:
-    """Namespaces of every group by (TP rank, request scope): their root digests are computed
-    once."""
-
-    def __init__(self, engine: EngineLayout) -> None:
-        self.engine = engine
-        self._cache: dict[tuple[int, RequestScope], tuple[Namespace, ...]] = {}
-
-    def get(self, tp_rank: int, scope: RequestScope) -> tuple[Namespace, ...]:
-        spaces = self._cache.get((tp_rank, scope))
-        if spaces is None:
-            model = self.engine.model if not scope.lora else f"{self.engine.model}+lora:{scope.lora}"
-            salt = scope.salt.encode()
-            spaces = tuple(Namespace(model, g.layout_of(tp_rank), self.engine.revision, salt) for g in self.engine.groups)
-            if len(self._cache) > 4096:
-                self._cache.clear()
-            self._cache[(tp_rank, scope)] = spaces
-        return spaces
-
-
-def pages(num_tokens: int, block_size: int) -> int:
-    """vLLM blocks (pages) that hold ``num_tokens`` tokens."""
-    return -(-num_tokens // block_size)
-
-
-# -- scheduler -> worker, every step --------------------------------------------------------------
-# Jobs carry keys, token ranges and block ids: the scheduler hashes each chunk once per request,
-# and no worker hashes. ``spans[r][g]`` are the objects of TP rank r and KV-cache group g (each
-# rank's keys are bound to its own layout, each group's to its spec); ``block_ids[g]`` are
-# vLLM's blocks of group g (the null block where the group keeps nothing).
-
-
-@dataclass
-class LoadJob:
-    """Copy the cached KV of tokens [start, end) into each group's ``block_ids`` (one per block
-    of the range) before the forward pass, from the objects ``spans[rank][group]``: for full
-    attention, consecutive chunks covering the range; for a window, those whose window reaches
-    into it; for recurrent state, the one ending at ``end``. An ``asynchronous`` job runs on a
-    worker thread while the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS``; the others run
-    in the step, before its forward pass."""
-
-    req_id: ReqId
-    scope: RequestScope
-    spans: list[list[list[ChunkSpan]]]
-    start: int
-    end: int
-    block_ids: list[list[int]]
-    tiers: list[str] = field(default_factory=list)  # the tier of each chunk of the hit, from token 0
-    asynchronous: bool = False
-    # per rank and group, the objects the lookup leased (KeyStore.locate's pin): the worker loads
-    # from them without a call, or gives them back; either way the job owns them
-    pins: list[list[Pin | None]] = field(default_factory=list)
-
-
-@dataclass
-class SaveJob:
-    """After the forward pass, store the objects ``spans[rank][group]`` (all computed by then),
-    whose block i is vLLM's block ``block_ids[group][i]``. ``records[group]`` maps an object's
-    token range to vLLM's view of its blocks (block_records.py), the same for every rank."""
-
-    req_id: ReqId
-    scope: RequestScope
-    spans: list[list[list[ChunkSpan]]]
-    block_ids: list[list[int]]
-    job_id: int = 0
-    records: list[dict[tuple[int, int], bytes]] = field(default_factory=list)
-    #: the request has finished and vLLM holds its blocks for this job (history, scheduler.py):
-    #: each worker reports the request as sent once the job's pages are copied out (or dropped)
-    release: bool = False
+# -- scheduler -> worker, every step (jobs.py) -----------------------------------------------------
 
 
 @dataclass
 class KvtierConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
-    #: a step that prefills: the scheduler times it until the workers report it (load_costs.py)
+    #: a step that prefills: the scheduler times it until the workers report it (kvtier/paged/load_costs.py)
     timed_step: int = 0
     #: vLLM scheduled no token this step (requests wait for their loads, at most): the worker
-    #: may wait a moment for a load to finish instead of letting vLLM spin (loader.py)
+    #: may wait a moment for a load to finish instead of letting vLLM spin (kvtier/paged/loader.py)
     idle: bool = False
     #: reads of one chunk of a tier skipped for being slow, on a worker thread and copied
-    #: nowhere (no ``block_ids``), timed for load_costs.py: no request waits for them
+    #: nowhere (no ``block_ids``), timed for kvtier/paged/load_costs.py: no request waits for them
     probes: list[LoadJob] = field(default_factory=list)
 
 
 # -- worker -> scheduler, every step --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LoadSample:
-    """One load job's retrieves from one tier, timed in a worker (load_costs.py)."""
-
-    tier: str
-    tokens: int
-    bytes: int
-    seconds: float
-
-
 @dataclass
 class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
     """Save jobs that ended (stored, skipped or failed) on this worker since its last report;
     the scheduler counts a job done when every worker has reported it. And the figures of
-    load_costs.py: the step timed (with the seconds its loads took on the engine's path there)
+    kvtier/paged/load_costs.py: the step timed (with the seconds its loads took on the engine's path there)
     and each load's retrieves by tier. And ``unstored``: requests whose KV is not cached from a
     token on although the scheduler took it as stored or being saved (a load came back short,
     a save was not stored for it): saves of the request start there again."""

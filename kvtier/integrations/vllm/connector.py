@@ -23,9 +23,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import ConfigError
 from kvtier.events import Medium
-from kvtier.integrations.vllm.common import EngineLayout, KvtierConnectorMetadata, engine_layout
+from kvtier.integrations.vllm.common import KvtierConnectorMetadata, engine_layout
 from kvtier.integrations.vllm.config import ConnectorConfig, parse_extra_config
 from kvtier.integrations.vllm.metrics import KvtierPromMetrics, build_stats
+from kvtier.paged.layout import EngineLayout
 from kvtier.tiers.base import medium_of
 
 if TYPE_CHECKING:
@@ -45,10 +46,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
-
-#: vLLM's name for where hits of each medium come from (tier ids name their medium)
-_HIT_SOURCES = {Medium.MEMORY: CacheHitSource.HOST, Medium.DISK: CacheHitSource.DISK}
-
 
 class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier's connector; it supports vLLM's hybrid KV-cache allocator (``SupportsHMA``): every
@@ -163,7 +160,9 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if not num_external_tokens:
             return {}
         tiers = self.connector_scheduler.hit_tiers(request, num_external_tokens) or [Medium.MEMORY.value]
-        sources = (_HIT_SOURCES.get(medium_of(t), CacheHitSource.EXTERNAL_UNSPECIFIED) for t in tiers)
+        # a tier id names its medium (an unknown one none), the medium its hit source (a remote one none)
+        names = (getattr(medium_of(t), "hit_source", None) for t in tiers)
+        sources = (CacheHitSource(name or CacheHitSource.EXTERNAL_UNSPECIFIED) for name in names)
         source = CacheHitSource.outermost(sources)
         return {source: num_external_tokens}
 

@@ -1,6 +1,7 @@
 """Scheduler side of the connector: runs in vLLM's engine-core process, next to the scheduler.
-It never touches KV; it decides what each step's workers load and save. The load decision and the
-record of each request are ``kvtier.paged.planner``'s; this module turns vLLM's hooks into its calls.
+It never touches KV; it decides what each step's workers load and save. The record of each
+request and the load decision are ``kvtier.paged.planner``'s, the lookup ``kvtier.paged.lookups``',
+the save jobs ``kvtier.paged.saves``'; this module turns vLLM's hooks into their calls.
 
     get_num_new_matched_tokens   a lookup: how many prompt tokens past vLLM's own hit kvtier holds
     update_state_after_alloc     the blocks vLLM gave those tokens: a load job for the next step
@@ -25,7 +26,7 @@ asks again next step, in two cases:
   ``kvtier_prefilled_tokens``) and its KV has not reached the cache yet: it waits up to
   ``prefill_wait_s``, then what is missing is computed here (``prefill_wait_timeouts``).
 
-Load or recompute (``load_or_recompute``, load_costs.py): the hit is cut where computing the
+Load or recompute (``load_or_recompute``, kvtier/paged/load_costs.py): the hit is cut where computing the
 rest is faster than loading it from the tiers that hold it (a slow remote tier is skipped; what
 is computed past the cut is stored again, into L1). The estimates come back from the workers:
 each load's retrieves by tier, and the steps that prefill, which the metadata names
@@ -47,38 +48,25 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-
 from kvtier.disagg.params import PREFILL_PARAM, PREFILLED_PARAM
-from kvtier.keys import ChunkSpan, PrefixKeys, prefix_keys
-from kvtier.keystore import Pin
-from kvtier.integrations.vllm.common import (
-    EngineLayout,
-    KvtierConnectorMetadata,
-    KvtierWorkerMetadata,
-    LoadJob,
-    NamespaceCache,
-    ReqId,
-    RequestScope,
-    SaveJob,
-    names_tenant,
-    pages,
-    request_scope,
-)
 from kvtier.integrations.vllm.block_records import block_records
+from kvtier.integrations.vllm.common import KvtierConnectorMetadata, KvtierWorkerMetadata, names_tenant, request_scope
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.hits import best_end
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
-from kvtier.integrations.vllm.load_costs import LoadOrRecompute
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
+from kvtier.keys import ChunkSpan
+from kvtier.paged.hits import tokens_by_tier
+from kvtier.paged.jobs import LoadJob, ReqId, SaveJob, probe_job
+from kvtier.paged.layout import EngineLayout, pages
+from kvtier.paged.load_costs import LoadOrRecompute, StepTimer
+from kvtier.paged.lookups import PromptLookup
 from kvtier.paged.planner import (
     Found, InFlightDedup, LoadFailed, Planner, PrefillWait, RepeatedAsk, RequestState, SavesInFlight,
     SchedulerStats, ShortLookupSkip, SyncOrAsync, WorthLoading,
 )
+from kvtier.paged.saves import SavePlanner
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -87,7 +75,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
-#: Half-life of the load-or-recompute measurements' weight (load_costs.py).
+#: Half-life of the load-or-recompute measurements' weight (kvtier/paged/load_costs.py).
 COST_HALF_LIFE_S = 60.0
 
 
@@ -103,25 +91,24 @@ class KvtierScheduler:
         self.served_model = served_model or engine.model  # the model name in kvtier's KV events
         self.engine = engine
         self.block_size = engine.block_size
-        self.namespaces = NamespaceCache(engine)
         self.cache = open_cache(config)
+        self.lookups = PromptLookup(engine, self.cache)
         self.stats = SchedulerStats()
         self._interval = Interval()
         self._block_ids_of = block_ids_of
         self._loads: list[LoadJob] = []
-        self._probes: list[LoadJob] = []  # reads of skipped tiers, to measure them (load_costs.py)
+        self._probes: list[LoadJob] = []  # reads of skipped tiers, to measure them (kvtier/paged/load_costs.py)
         self._history: list[SaveJob] = []  # history jobs of finished requests, for the next step
-        self._next_job = 1
         # how long an unconfirmed save may hold back lookups of its prefix
         self._saves = SavesInFlight(2 * config.timeout_s + 1.0, engine.tp_size)
+        self._save_plan = SavePlanner(engine, self._saves, self.stats, self._records)
         self._chunk_warned = False
         self._tenant_warned = False
         self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
-        self._next_step = 0
-        self._timed_steps: dict[int, tuple[float, int, int]] = {}  # step -> (built at, tokens, position sum)
+        self._steps = StepTimer(self.costs) if self.costs is not None else None
         gates = [
             LoadFailed(self.stats),
-            RepeatedAsk(self._unpin),
+            RepeatedAsk(self.lookups.unpin),
             ShortLookupSkip(self.stats),
             PrefillWait(self.stats, config.prefill_wait_s, lambda: self.cache.key_store.reachable),
             InFlightDedup(self.stats, self._saves),
@@ -129,7 +116,7 @@ class KvtierScheduler:
         self.planner = Planner(
             gates, WorthLoading(self.costs, engine, self.stats, self._probe),
             SyncOrAsync(len(engine.groups), config.async_load_min_tokens, config.sync_load_when_alone),
-            self._find, self._unpin, self.stats, engine.whole_prompt_loads,
+            self._find, self.lookups.unpin, self.stats, engine.whole_prompt_loads,
         )
 
     # -- chunk size ----------------------------------------------------------------------------
@@ -171,77 +158,12 @@ class KvtierScheduler:
         chunk = self._chunk_size_or_connect()
         if chunk is None:
             return None
-        keys = self._request_keys(state, chunk)
-        hit, tiers, spans, pins = self._lookup(keys, len(state.tokens))
-        return Found(chunk, hit, tiers, spans, pins)
+        return self.lookups.find(state, chunk)
 
     def _probe(self, state: RequestState, found: Found, first: int, hit: int) -> None:
-        """A probe of a skipped tier (load_costs.py): a probe job of the next step's metadata."""
-        self._probes.append(self._probe_job(state.request.request_id, state.scope, found.tiers, found.spans, found.chunk,
-                                            first, hit))
-
-    def _probe_job(self, req_id: ReqId, scope: RequestScope, tiers: list[str],
-                   spans: list[list[list[ChunkSpan]]], chunk: int, first: int, hit: int) -> LoadJob:
-        """A job that reads the attention objects of the chunk at ``first`` (one tier holds them)
-        and copies them nowhere: no blocks."""
-        index = first // chunk
-        probe_spans = [
-            [[] if group.kind.keeps_state else [s for s in group_spans if s.start // chunk == index]
-             for group, group_spans in zip(self.engine.groups, rank_spans)]
-            for rank_spans in spans
-        ]
-        return LoadJob(req_id, scope, probe_spans, first, min(first + chunk, hit), [], tiers)
-
-    def _request_keys(self, state: RequestState, chunk: int) -> list[list[PrefixKeys]]:
-        """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
-        per request."""
-        if state.keys is None:
-            tokens = np.asarray(state.tokens, dtype=np.uint32)
-            state.keys = [
-                [prefix_keys(ns, tokens, chunk, self.block_size) for ns in self.namespaces.get(rank, state.scope)]
-                for rank in range(self.engine.tp_size)
-            ]
-        return state.keys
-
-    def _lookup(self, keys: list[list[PrefixKeys]], prompt_len: int
-                ) -> tuple[int, list[str], list[list[list[ChunkSpan]]], list[list[Pin | None]]]:
-        """(tokens hit on every TP rank and group, tier of each chunk, the objects each rank and
-        group hit, the pins of each rank and group's lookup): one ``locate`` per rank and group,
-        partial-chunk candidates included. Ranks are asked again with a lower limit until they
-        agree (they differ only after evictions)."""
-        limit = prompt_len
-        while True:
-            found = [self._lookup_rank(rank_keys, prompt_len, limit) for rank_keys in keys]
-            hit = min(h for h, _, _, _ in found)
-            pins = [rank_pins for _, _, _, rank_pins in found]
-            if hit == 0 or all(h == hit for h, _, _, _ in found):
-                return hit, found[0][1], [spans for _, _, spans, _ in found], pins
-            self._unpin(pins)
-            limit = hit
-
-    def _lookup_rank(self, keys: list[PrefixKeys], prompt_len: int, limit: int
-                     ) -> tuple[int, list[str], list[list[ChunkSpan]], list[Pin | None]]:
-        groups = self.engine.groups
-        attention = {
-            g: self.cache.lookup_spans(keys[g].spans, keys[g].partials, pin=True)
-            for g, group in enumerate(groups)
-            if not group.kind.keeps_state
-        }
-
-        def find_state(g: int, candidates: list[ChunkSpan]) -> int:
-            return self.cache.key_store.locate([], [candidates]).partial
-
-        hit = best_end(groups, keys, attention, find_state, prompt_len, self.block_size, limit)
-        tiers = next(iter(attention.values())).tiers if hit else []
-        pins = [attention[g].pin if g in attention else None for g in range(len(groups))]
-        return hit, tiers, [group.kind.hit_spans(keys[g], attention.get(g), hit) for g, group in enumerate(groups)], pins
-
-    def _unpin(self, pins: list[list[Pin | None]]) -> None:
-        """Give back the pins of a lookup no load job took."""
-        for rank_pins in pins:
-            for pin in rank_pins:
-                if pin is not None:
-                    self.cache.key_store.unpin(pin)
+        """A probe of a skipped tier (kvtier/paged/load_costs.py): a probe job of the next step's metadata."""
+        self._probes.append(probe_job(self.engine, state.request.request_id, state.scope, found.tiers, found.spans,
+                                      found.chunk, first, hit))
 
     def hit_tiers(self, request: "Request", num_external_tokens: int) -> list[str]:
         """Tier of each loaded chunk (for vLLM's cache-hit metrics), before the lookup is consumed."""
@@ -269,7 +191,7 @@ class KvtierScheduler:
             self._check_tenant(request)
         state.saved_upto = max(state.saved_upto, stored)  # resumed after a preemption: what it saved stays
         if known is not None and num_external_tokens <= 0:
-            self._unpin(known.pins)
+            self.lookups.unpin(known.pins)
         if num_external_tokens <= 0 or known is None:
             return
         start = known.num_computed
@@ -278,7 +200,7 @@ class KvtierScheduler:
         block_ids = [list(blocks.get_block_ids()[g.index][first:last]) for g in self.engine.groups]
         if start % self.block_size or (end % self.block_size and end != len(prompt) - 1) or end > hit:
             log.error("kvtier: vLLM asked for tokens [%d, %d) of a %d-token hit; not loading", start, end, hit)
-            self._unpin(known.pins)
+            self.lookups.unpin(known.pins)
             if known.asynchronous:  # the request waits for its load: an empty one fails, vLLM recomputes
                 empty = [[[] for _ in self.engine.groups] for _ in range(self.engine.tp_size)]
                 self._loads.append(LoadJob(request.request_id, scope, empty, start, end, block_ids, asynchronous=True))
@@ -323,90 +245,42 @@ class KvtierScheduler:
         return meta
 
     def _plan_save(self, req_id: ReqId, computed: int, chunk: int, meta: KvtierConnectorMetadata) -> None:
-        """A save job for the objects the step completes, if any: the chunks it completes, and
-        the recurrent state where it ended on a block boundary."""
+        """A save job for the objects the step completes, if any."""
         tracked = self._admitted(req_id)
-        if tracked is None:
+        end = self._save_plan.step_end(tracked, computed, chunk) if tracked is not None else None
+        if end is None:
             return
-        prompt = len(tracked.tokens)
-        end = prompt if computed >= prompt else computed // chunk * chunk
-        if end <= tracked.saved_upto and not (self.engine.has_state and computed % self.block_size == 0):
-            return
-        keys = self._request_keys(tracked, chunk)
-        spans = [
-            [
-                group.kind.save_spans(group.layout, group_keys, tracked.saved_upto, end, computed)
-                if rank == 0 or not group.kind.same_on_every_rank else []  # one rank stores what all ranks share
-                for group, group_keys in zip(self.engine.groups, rank_keys)
-            ]
-            for rank, rank_keys in enumerate(keys)
-        ]
-        if not any(spans[0]):
-            return
-        blocks = self._block_ids_of(req_id)
-        records = [
-            block_records(tracked.request, tracked.tokens, group_spans, self.block_size, self.served_model, group.index)
-            if group.kind.published else {}
-            for group, group_spans in zip(self.engine.groups, spans[0])
-        ]
-        job = SaveJob(req_id, tracked.scope, spans, [list(blocks[g.index][: pages(computed, self.block_size)]) for g in self.engine.groups], self._next_job, records)
-        meta.saves.append(self._start_job(job, tracked, end))
+        job = self._save_plan.plan(tracked, self.lookups.keys(tracked, chunk), tracked.tokens, end, computed,
+                                   self._block_ids_of(req_id))
+        if job is not None:
+            meta.saves.append(job)
 
     def _admitted(self, req_id: ReqId) -> RequestState | None:
         """The request's record if vLLM has given it blocks (its saves are planned), else None."""
         state = self.planner.states.get(req_id)
         return state if state is not None and state.admitted else None
 
-    def _start_job(self, job: SaveJob, tracked: RequestState, end: int) -> SaveJob:
-        job.job_id = self._next_job
-        self._next_job += 1
-        self._saves.start(job.job_id, [s.key for s in job.spans[0][0]])
-        tracked.saved_upto = max(tracked.saved_upto, end)
-        tracked.save_jobs += 1
-        self.stats.save_jobs += 1
-        return job
+    def _records(self, state: RequestState, tokens: list[int], spans: list[ChunkSpan], group_index: int) -> dict:
+        """vLLM's block hashes of what a save stores, for the KV events."""
+        return block_records(state.request, tokens, spans, self.block_size, self.served_model, group_index)
 
     def _time_step(self, scheduler_output: "SchedulerOutput") -> int:
-        """A step id for the workers to report back if the step prefills (load_costs.py), else 0."""
-        if self.costs is None:
+        """A step id for the workers to report back if the step prefills (kvtier/paged/load_costs.py), else 0."""
+        if self._steps is None:
             return 0
         scheduled = scheduler_output.num_scheduled_tokens
         cached = scheduler_output.scheduled_cached_reqs
         starts = itertools.chain(((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs),
                                  zip(cached.req_ids, cached.num_computed_tokens))
-        tokens = position_sum = 0
-        prefills = False
-        for req_id, start in starts:
-            n = scheduled.get(req_id, 0)
-            tokens += n
-            position_sum += n * start + n * (n - 1) // 2
-            prefills |= n > 1
-        if not prefills:
-            return 0
-        if len(self._timed_steps) > 64:  # reports lost (a worker that failed): forget the oldest
-            self._timed_steps.pop(next(iter(self._timed_steps)))
-        step = self._next_step = self._next_step + 1
-        self._timed_steps[step] = (time.perf_counter(), tokens, position_sum)
-        return step
-
-    def _observe(self, worker_meta: KvtierWorkerMetadata) -> None:
-        """The workers' figures for load_costs.py: the timed step's wall time (its loads taken
-        out) and each load's retrieves."""
-        now = time.monotonic()
-        for sample in worker_meta.load_samples:
-            self.costs.observe_load(sample, now)
-        timed = self._timed_steps.pop(worker_meta.timed_step, None)
-        if timed is not None:
-            built, tokens, position_sum = timed
-            self.costs.observe_step(tokens, position_sum, time.perf_counter() - built - worker_meta.step_load_s, now)
+        return self._steps.start((start, scheduled.get(req_id, 0)) for req_id, start in starts)
 
     # -- completions -----------------------------------------------------------------------------
 
     def update_connector_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, KvtierWorkerMetadata):
             return
-        if self.costs is not None:
-            self._observe(worker_meta)
+        if self._steps is not None:
+            self._steps.report(worker_meta.timed_step, worker_meta.step_load_s, worker_meta.load_samples)
         for job_id, count in worker_meta.finished_saves.items():
             self._saves.report(job_id, count)
         for req_id, start in worker_meta.unstored.items():  # saved again once vLLM has recomputed it
@@ -443,24 +317,13 @@ class KvtierScheduler:
         if end <= max(tracked.saved_upto, request.num_prompt_tokens) or any(len(b) < pages(end, self.block_size) for b in block_ids):
             return False
         tokens = request.all_token_ids[:end]
-        array = np.asarray(tokens, dtype=np.uint32)  # the prompt's chunks are hashed again: a rare job
-        keys = [[prefix_keys(ns, array, chunk, self.block_size) for ns in self.namespaces.get(rank, tracked.scope)]
-                for rank in range(self.engine.tp_size)]
-        spans = [
-            [group.kind.save_spans(group.layout, group_keys, tracked.saved_upto, end, end)
-             if rank == 0 or not group.kind.same_on_every_rank else []
-             for group, group_keys in zip(self.engine.groups, rank_keys)]
-            for rank, rank_keys in enumerate(keys)
-        ]
-        if not any(spans[0]):
+        keys = self.lookups.hash(tracked.scope, tokens, chunk)  # the prompt's chunks are hashed again: a rare job
+        history = end - max(tracked.saved_upto, request.num_prompt_tokens)
+        job = self._save_plan.plan(tracked, keys, tokens, end, end, block_ids, release=True)
+        if job is None:
             return False
-        records = [block_records(request, tokens, group_spans, self.block_size, self.served_model, group.index)
-                   if group.kind.published else {} for group, group_spans in zip(self.engine.groups, spans[0])]
-        job = SaveJob(request.request_id, tracked.scope, spans,
-                      [list(block_ids[g.index][: pages(end, self.block_size)]) for g in self.engine.groups],
-                      records=records, release=True)
-        self.stats.history_tokens += end - max(tracked.saved_upto, request.num_prompt_tokens)
-        self._history.append(self._start_job(job, tracked, end))
+        self.stats.history_tokens += history
+        self._history.append(job)
         return True
 
     def figures(self) -> dict:
@@ -474,15 +337,6 @@ class KvtierScheduler:
 
     def shutdown(self) -> None:
         close_cache(self.cache)
-
-
-def tokens_by_tier(tiers: list[str], chunk: int, start: int, end: int) -> Counter:
-    """Tokens of ``[start, end)`` by the tier of the chunk they fall in (``tiers``: one per chunk
-    from token 0)."""
-    counts: Counter = Counter()
-    for index in range(start // chunk, (end - 1) // chunk + 1):
-        counts[tiers[index]] += min(end, (index + 1) * chunk) - max(start, index * chunk)
-    return counts
 
 
 def _prefilled_tokens(request: "Request") -> int:

@@ -2,13 +2,13 @@
 
 Each engine step:
 
-    start_load_kv        the step's loads (loader.py): synchronous ones before the forward pass
+    start_load_kv        the step's loads (kvtier/paged/loader.py): synchronous ones before the forward pass
                          (one retrieve per request of the chunks the scheduler named: keys, no
                          hashing here; none that vLLM holds already; then whole pages copied into
                          vLLM's blocks), asynchronous ones queued for the loader thread
     wait_for_save        (after the forward pass) the pages of the chunks the step completed are
                          copied into slots of the server's shared memory or a staging ring, and
-                         a saver thread commits or stores them (saver.py); never a job whose
+                         a saver thread commits or stores them (kvtier/paged/saver.py); never a job whose
                          blocks a load of the step did not fill (below)
     get_transfer_results asynchronous loads finished (and failed), finished requests whose
                          history is copied out; ``get_block_ids_with_load_errors`` blocks not loaded
@@ -28,72 +28,21 @@ has recomputed it.
 from __future__ import annotations
 
 import logging
-import threading
-from dataclasses import dataclass, field, fields
 
 import torch
 
-from kvtier.integrations.vllm.blocks import PagedKV
-from kvtier.integrations.vllm.common import (
-    EngineLayout,
-    KvtierConnectorMetadata,
-    KvtierWorkerMetadata,
-    NamespaceCache,
-)
+from kvtier.integrations.vllm.common import KvtierConnectorMetadata, KvtierWorkerMetadata
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.keystores import close_cache, open_cache
-from kvtier.integrations.vllm.loader import Loader
 from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
-from kvtier.integrations.vllm.saver import Saver
+from kvtier.paged.context import WorkerContext, WorkerStats
+from kvtier.paged.layout import EngineLayout
+from kvtier.paged.loader import Loader
+from kvtier.paged.namespaces import NamespaceCache
+from kvtier.paged.pages import PagedKV
+from kvtier.paged.saver import Saver
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
-
-
-@dataclass
-class WorkerStats:
-    """Running totals of one worker. The engine's thread, the loader, probe and saver threads
-    all bump them: through ``add`` (a ``+=`` from two threads can lose one), read by ``snapshot``."""
-
-    loads: int = 0
-    loaded_tokens: int = 0
-    failed_loads: int = 0
-    failed_load_tokens: int = 0  # tokens of those that did not arrive: handed back to vLLM to compute
-    load_bytes: int = 0
-    load_s: float = 0.0  # on the engine's path: retrieve + copy (synchronous loads)
-    async_loads: int = 0  # of ``loads``: on the loader thread, beside the engine's steps
-    async_load_s: float = 0.0  # their time, off the engine's path
-    probes: int = 0  # probe jobs read (and released uncopied) on the probe thread
-    retrieve_s: float = 0.0
-    pinned_retrieves: int = 0  # retrieves that used the lookup's pin: no call of their own
-    stage_s: float = 0.0  # on the engine's path: copying pages out of vLLM's blocks
-    staged_to_slots: int = 0  # saves whose pages went straight into lent slots of the server's shared memory
-    saves: int = 0
-    saved_chunks: int = 0
-    save_bytes: int = 0
-    save_bytes_by_group: dict[int, int] = field(default_factory=dict)  # vLLM's group index -> bytes
-    dropped_saves: int = 0
-    unsaved_objects: int = 0  # objects a save left out: vLLM no longer kept a block they need
-    failed_saves: int = 0
-    unloaded_saves: int = 0  # save jobs not stored: a block they need did not load in their step
-    save_s: float = 0.0  # in the saver thread
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def add_labelled(self, name: str, label: int, delta: int) -> None:
-        """Bump one label of a by-label total (``save_bytes_by_group``)."""
-        with self._lock:
-            by_label = getattr(self, name)
-            by_label[label] = by_label.get(label, 0) + delta
-
-    def snapshot(self) -> dict:
-        """Every total as it is now (by-label totals copied)."""
-        with self._lock:
-            return {f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
-                    for f in fields(self) if f.name != "_lock"}
 
 
 class KvtierWorker:
@@ -103,14 +52,13 @@ class KvtierWorker:
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
         self.block_size = engine.block_size
-        self.namespaces = NamespaceCache(engine)
         self.stats = WorkerStats()
         self._interval = Interval()
         self.pages: list[PagedKV] | None = None  # per group
         self.loader: Loader | None = None
         self._released: set[str] = set()
         self._unstored: dict[str, int] = {}  # request -> token from which its KV is not cached (metadata)
-        # for the scheduler's load-or-recompute estimates (load_costs.py): the step timed
+        # for the scheduler's load-or-recompute estimates (kvtier/paged/load_costs.py): the step timed
         self._timed_step = 0
         self._saver: Saver | None = None
         # a key store each for synchronous loads, asynchronous loads (their thread) and saves,
@@ -118,7 +66,7 @@ class KvtierWorker:
         self._loads = open_cache(config) if config.load else None
         self._async_loads = open_cache(config) if config.load else None
         self._saves = open_cache(config) if config.save else None
-        # and one for probes of slow tiers (loader.py), connected on its first probe
+        # and one for probes of slow tiers (kvtier/paged/loader.py), connected on its first probe
         self._probes = open_cache(config) if config.load and config.load_or_recompute else None
         # connect (and map the server's arena) now rather than on the first request's path
         for cache in (self._loads, self._async_loads, self._saves):
@@ -127,10 +75,11 @@ class KvtierWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = [PagedKV(kv_caches, group, self.num_blocks) for group in self.engine.groups]
+        context = WorkerContext(self.engine, self.tp_rank, self.pages, NamespaceCache(self.engine), self.stats)
         if self._loads is not None:
-            self.loader = Loader(self, self._loads, self._async_loads, self._probes)
+            self.loader = Loader(context, self._loads, self._async_loads, self._probes, self.config.layerwise_load)
         if self._saves is not None:
-            self._saver = Saver(self, self._saves, int(self.config.save_buffer_gb * (1 << 30)))
+            self._saver = Saver(context, self._saves, int(self.config.save_buffer_gb * (1 << 30)))
         log.info(
             "kvtier: %s, arrangement %s, %.2f GiB of save staging",
             "; ".join(
@@ -141,7 +90,7 @@ class KvtierWorker:
             self.engine.arrangement, self.config.save_buffer_gb if self._saver is not None else 0.0,
         )
 
-    # -- loads (loader.py) ----------------------------------------------------------------------
+    # -- loads (kvtier/paged/loader.py) ----------------------------------------------------------------------
 
     def start_load_kv(self, metadata: KvtierConnectorMetadata) -> None:
         self._timed_step = metadata.timed_step

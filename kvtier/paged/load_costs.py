@@ -26,7 +26,7 @@ weight halves every ``half_life_s`` seconds and every ``HALF_LIFE_SAMPLES`` newe
 they follow a tier (or the machine) whose speed changes:
 
 - a tier's: one sample per load job and tier, (tokens, seconds of retrieve), measured in the
-  workers (``common.LoadSample``);
+  workers (``jobs.LoadSample``);
 - the engine's prefill: one sample per step that prefills (a request with more than one token
   scheduled), the step's tokens and position sum against its wall time, from the scheduler's
   ``build_connector_meta`` to the step's output (minus the loads the workers ran in it): the
@@ -46,13 +46,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvtier.integrations.vllm.common import LoadSample
+from kvtier.paged.jobs import LoadSample
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
@@ -382,7 +383,7 @@ class LoadOrRecompute:
         return total
 
     def gauges(self) -> dict:
-        """What vLLM's /metrics shows of the estimates (``SchedulerStats`` fields, metrics.py):
+        """What vLLM's /metrics shows of the estimates (``SchedulerStats`` fields, kvtier/integrations/vllm/metrics.py):
         the prefill's cost a token, its and each tier's measured rate, and the changes of decision."""
         figures = self.figures()
         prefill = figures["prefill"] or {}
@@ -406,3 +407,46 @@ class LoadOrRecompute:
                 "weight": round(self.prefill.weight, 2),
             },
         }
+
+
+class StepTimer:
+    """The samples of ``LoadOrRecompute`` as the scheduler side gets them: each step that
+    prefills is timed from its plan to the workers' report of it (its id goes to the workers in
+    the step's metadata and comes back with its output), and each load's retrieves come with the
+    workers' reports."""
+
+    #: steps timed at most at once; past it a report was lost (a worker that failed): the oldest goes
+    MAX_TIMED = 64
+
+    def __init__(self, costs: LoadOrRecompute) -> None:
+        self.costs = costs
+        self._last_step = 0
+        self._timed: dict[int, tuple[float, int, int]] = {}  # step -> (planned at, tokens, position sum)
+
+    def start(self, scheduled: Iterable[tuple[int, int]]) -> int:
+        """A step id for the workers to report back if the step prefills, else 0. ``scheduled``:
+        per request, (its first position in the step, its tokens scheduled)."""
+        tokens = position_sum = 0
+        prefills = False
+        for start, n in scheduled:
+            tokens += n
+            position_sum += n * start + n * (n - 1) // 2
+            prefills |= n > 1
+        if not prefills:
+            return 0
+        if len(self._timed) > self.MAX_TIMED:
+            self._timed.pop(next(iter(self._timed)))
+        step = self._last_step = self._last_step + 1
+        self._timed[step] = (time.perf_counter(), tokens, position_sum)
+        return step
+
+    def report(self, step: int, step_load_s: float, samples: Iterable[LoadSample]) -> None:
+        """The workers' figures: each load's retrieves, and the wall time of the ``step`` timed
+        (0: none), less ``step_load_s`` its loads took on the engine's path."""
+        now = time.monotonic()
+        for sample in samples:
+            self.costs.observe_load(sample, now)
+        timed = self._timed.pop(step, None)
+        if timed is not None:
+            planned, tokens, position_sum = timed
+            self.costs.observe_step(tokens, position_sum, time.perf_counter() - planned - step_load_s, now)

@@ -9,12 +9,13 @@ longest first). The hit is the longest end every group allows.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Sequence
 
 from kvtier.cache import LookupResult
-from kvtier.integrations.vllm.common import GroupLayout
 from kvtier.keys import ChunkSpan, PrefixKeys
 from kvtier.paged.groups import spans_by_end
+from kvtier.paged.layout import GroupLayout
 
 
 def best_end(
@@ -49,3 +50,12 @@ def best_end(
                 ends, confirmed = ends[found:], set()
             confirmed.add(g)
     return ends[0] if ends else 0
+
+
+def tokens_by_tier(tiers: list[str], chunk: int, start: int, end: int) -> Counter:
+    """Tokens of ``[start, end)`` by the tier of the chunk they fall in (``tiers``: one per chunk
+    from token 0)."""
+    counts: Counter = Counter()
+    for index in range(start // chunk, (end - 1) // chunk + 1):
+        counts[tiers[index]] += min(end, (index + 1) * chunk) - max(start, index * chunk)
+    return counts

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,10 +35,9 @@ from kvtier.cache import TokenCache
 from kvtier.keys import ChunkSpan, Namespace
 from kvtier.keystore import Reservation
 from kvtier.objects import HEADER_SIZE
-from kvtier.integrations.vllm.common import NULL_BLOCK, SaveJob
-
-if TYPE_CHECKING:
-    from kvtier.integrations.vllm.worker import KvtierWorker
+from kvtier.paged.context import WorkerContext
+from kvtier.paged.jobs import SaveJob
+from kvtier.paged.layout import NULL_BLOCK
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
@@ -101,8 +99,8 @@ class _Staged:
 
 
 class Saver:
-    def __init__(self, worker: "KvtierWorker", cache: TokenCache, capacity: int) -> None:
-        self.worker = worker
+    def __init__(self, context: WorkerContext, cache: TokenCache, capacity: int) -> None:
+        self.context = context
         self.cache = cache
         self.ring = StagingRing(capacity)
         self._queue: deque[_Staged] = deque()
@@ -117,13 +115,13 @@ class Saver:
     def stage(self, job: SaveJob) -> None:
         """Copy the job's pages out of vLLM's blocks now and queue the store; or drop it."""
         started = time.perf_counter()
-        worker = self.worker
+        context = self.context
         if self._closed or not self.cache.key_store.reachable:  # nothing to store into now
             return self._drop(job)
-        staged = [self._blocks(g, spans, job.block_ids[g]) for g, spans in enumerate(job.spans[worker.tp_rank])]
+        staged = [self._blocks(g, spans, job.block_ids[g]) for g, spans in enumerate(job.spans[context.tp_rank])]
         if not any(staged):
             return self._finished(job)
-        objects = [(g, span, ids, len(ids) * worker.pages[g].page_bytes)
+        objects = [(g, span, ids, len(ids) * context.pages[g].page_bytes)
                    for g, group in enumerate(staged) for span, ids in group]
         slots = self._lend(job, staged)
         if slots is not None:  # (ring offset, destination) of each object
@@ -137,7 +135,7 @@ class Saver:
         offsets = {}
         try:
             for (g, span, ids, size), (start, dest) in zip(objects, dests):
-                worker.pages[g].gather(ids, dest)
+                context.pages[g].gather(ids, dest)
                 offsets[(g, span.key)] = (start, size)
         except BaseException:
             if slots is not None:
@@ -145,15 +143,15 @@ class Saver:
             else:
                 self.ring.free_newest()  # never queued: the saver thread will not free it
             raise
-        fences = [f for f in (group_pages.fence() for group_pages in worker.pages) if f is not None]
+        fences = [f for f in (group_pages.fence() for group_pages in context.pages) if f is not None]
         with self._cond:
             self._queue.append(_Staged(job, [[span for span, _ in group] for group in staged], offsets, fences, slots))
             self._cond.notify_all()
-        worker.stats.add(stage_s=time.perf_counter() - started, staged_to_slots=slots is not None)
+        context.stats.add(stage_s=time.perf_counter() - started, staged_to_slots=slots is not None)
 
     def _lend(self, job: SaveJob, staged: list[list[tuple[ChunkSpan, list[int]]]]):
         """Lent slots for every object staged, in order (``TokenCache.lend_spans``), or None."""
-        spaces = self.worker.namespaces.get(self.worker.tp_rank, job.scope)
+        spaces = self.context.spaces(job.scope)
         groups = [(spaces[g], [span for span, _ in objects]) for g, objects in enumerate(staged)]
         records = [r for g, (_, spans) in enumerate(groups) for r in _records(job, g, spans)]
         return self.cache.lend_spans(groups, records, job.scope.tenant)
@@ -161,23 +159,23 @@ class Saver:
     def _blocks(self, g: int, spans: list[ChunkSpan], block_ids: list[int]) -> list[tuple[ChunkSpan, list[int]]]:
         """The objects of group ``g`` that can be stored, with vLLM's blocks each holds: one that
         would need a block vLLM no longer keeps for the group is left out."""
-        bs, layout = self.worker.block_size, self.worker.engine.groups[g].layout
+        bs, layout = self.context.block_size, self.context.engine.groups[g].layout
         objects = []
         for span in spans:
             first = span.start // bs
             ids = [block_ids[first + i] if first + i < len(block_ids) else NULL_BLOCK for i in layout.stored_blocks(span.num_tokens)]
             if NULL_BLOCK in ids:
-                self.worker.stats.add(unsaved_objects=1)
+                self.context.stats.add(unsaved_objects=1)
                 continue
             objects.append((span, ids))
         return objects
 
     def skip(self, job: SaveJob) -> None:
-        """A job not to store (its KV is wrong: worker.py): reported finished."""
+        """A job not to store (its KV is wrong: kvtier/integrations/vllm/worker.py): reported finished."""
         self._finished(job)
 
     def _drop(self, job: SaveJob) -> None:
-        self.worker.stats.add(dropped_saves=1)
+        self.context.stats.add(dropped_saves=1)
         self._finished(job)
 
     def _finished(self, job: SaveJob) -> None:
@@ -207,7 +205,7 @@ class Saver:
             try:
                 self._store(staged)
             except Exception:
-                self.worker.stats.add(failed_saves=1)
+                self.context.stats.add(failed_saves=1)
                 log.exception("kvtier: save for request %s failed", staged.job.req_id)
             finally:
                 if staged.slots is None:
@@ -219,7 +217,7 @@ class Saver:
 
     def _store(self, staged: _Staged) -> None:
         started = time.perf_counter()
-        worker, job = self.worker, staged.job
+        stats, job = self.context.stats, staged.job
         for fence in staged.fences:  # the pages are in the ring or the slots (waited here, not on the engine's thread)
             fence.synchronize()
         if staged.slots is not None:
@@ -229,20 +227,20 @@ class Saver:
         else:
             stored, written = self._store_from_ring(staged)
         if not stored and not self.cache.key_store.reachable:  # the server went away: the client dropped it
-            worker.stats.add(dropped_saves=1)
+            stats.add(dropped_saves=1)
             return
-        worker.stats.add(saves=1, saved_chunks=stored)
+        stats.add(saves=1, saved_chunks=stored)
         if stored:
-            worker.stats.add(save_bytes=sum(written))
+            stats.add(save_bytes=sum(written))
             for g, size in enumerate(written):
-                worker.stats.add_labelled("save_bytes_by_group", g, size)
-        worker.stats.add(save_s=time.perf_counter() - started)
+                stats.add_labelled("save_bytes_by_group", g, size)
+        stats.add(save_s=time.perf_counter() - started)
 
     def _store_from_ring(self, staged: _Staged) -> tuple[int, list[int]]:
         """Reserve, copy from the ring, seal and commit, group by group: the chunks stored, and
         the bytes copied by group (none for a chunk cached already)."""
         job, stored, written = staged.job, 0, [0] * len(staged.spans)
-        spaces = self.worker.namespaces.get(self.worker.tp_rank, job.scope)
+        spaces = self.context.spaces(job.scope)
         for g, spans in enumerate(staged.spans):
 
             def fill(span: ChunkSpan, dest: memoryview, g: int = g) -> None:

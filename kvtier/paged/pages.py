@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.common import GroupLayout
-from kvtier.integrations.vllm.device_copy import DeviceCopies
+from kvtier.paged.device_copy import DeviceCopies
+from kvtier.paged.layout import GroupLayout
 
 # Payloads retrieved from the cache are read-only views; they are only ever read from here.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

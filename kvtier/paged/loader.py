@@ -37,17 +37,15 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtier.cache import Retrieval, TokenCache
-from kvtier.integrations.vllm.blocks import PagedKV
-from kvtier.integrations.vllm.common import NULL_BLOCK, LoadJob, LoadSample
 from kvtier.keystore import Pin
-
-if TYPE_CHECKING:
-    from kvtier.integrations.vllm.worker import KvtierWorker
+from kvtier.paged.context import WorkerContext
+from kvtier.paged.jobs import LoadJob, LoadSample
+from kvtier.paged.layout import NULL_BLOCK
+from kvtier.paged.pages import PagedKV
 
 log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
@@ -59,15 +57,15 @@ IDLE_WAIT_S = 0.005
 
 
 class Loader:
-    def __init__(self, worker: "KvtierWorker", cache: TokenCache, async_cache: TokenCache,
-                 probe_cache: TokenCache | None = None) -> None:
-        self.worker = worker
+    def __init__(self, context: WorkerContext, cache: TokenCache, async_cache: TokenCache,
+                 probe_cache: TokenCache | None = None, layerwise: bool = False) -> None:
+        self.context = context
         self.cache = cache  # the engine thread's
         self.async_cache = async_cache  # the loader thread's
         self.probe_cache = probe_cache  # the probe thread's
         self._prober = ThreadPoolExecutor(1, "kvtier-probe") if probe_cache is not None else None
-        self.pages: list[PagedKV] = worker.pages  # the engine thread's (shared with saves' copies out)
-        self.async_pages = [p.twin() for p in worker.pages]
+        self.pages: list[PagedKV] = context.pages  # the engine thread's (shared with saves' copies out)
+        self.async_pages = [p.twin() for p in context.pages]
         # releases can be round trips to a server: off the engine's path
         self._releaser = ThreadPoolExecutor(1, "kvtier-release")
         self._thread = ThreadPoolExecutor(1, "kvtier-load")
@@ -81,8 +79,8 @@ class Loader:
         # by tier, and the time the step's synchronous loads took on the engine's path
         self._samples: list[LoadSample] = []
         self._step_load_s = 0.0
-        self._layers = _LayerwiseCopies(self) if worker.config.layerwise_load and _layerwise_ok(worker) else None
-        if worker.config.layerwise_load and self._layers is None:
+        self._layers = _LayerwiseCopies(self) if layerwise and _layerwise_ok(context) else None
+        if layerwise and self._layers is None:
             log.warning("kvtier: layerwise_load needs a model with one attention KV-cache group; loading whole")
 
     # -- engine thread -------------------------------------------------------------------------
@@ -104,8 +102,8 @@ class Loader:
         else:
             for job in synchronous:
                 started = time.perf_counter()
-                done, samples = self.load(job, self.cache, self.pages, self._releaser.submit)
-                self._report(job, done, time.perf_counter() - started, samples)
+                done, samples = self.load(job, self.cache, self.pages)
+                self.report(job, done, time.perf_counter() - started, samples)
         self._step_load_s = time.perf_counter() - step_started
 
     def probe(self, jobs: list[LoadJob]) -> None:
@@ -159,6 +157,10 @@ class Loader:
             samples, self._samples = self._samples, []
             return step, samples
 
+    def release(self, retrieval: Retrieval) -> None:
+        """Let go of a retrieval's objects off the engine's path (a round trip to a server, maybe)."""
+        self._releaser.submit(retrieval.close)
+
     def close(self) -> None:
         if self._prober is not None:
             self._prober.shutdown(wait=True, cancel_futures=True)
@@ -171,34 +173,34 @@ class Loader:
         started = time.perf_counter()
         done, samples = job.start, []
         try:
-            done, samples = self.load(job, self.async_cache, self.async_pages, self._releaser.submit)
+            done, samples = self.load(job, self.async_cache, self.async_pages)
         finally:  # whatever happened, the request is reported: vLLM waits for it
-            self._report(job, done, time.perf_counter() - started, samples)
+            self.report(job, done, time.perf_counter() - started, samples)
 
     def _run_probe(self, job: LoadJob) -> None:
         by_tier: dict[str, list[float]] = {}
-        for g in range(len(self.worker.engine.groups)):
+        for g in range(len(self.context.engine.groups)):
             try:
                 retrieval = self.retrieve(job, self.probe_cache, g, by_tier, count=False)
             except Exception:
                 log.exception("kvtier: a probe for request %s failed", job.req_id)
                 return
-            self._releaser.submit(retrieval.close)
+            self.release(retrieval)
         with self._results:
             self._samples += [LoadSample(tier, int(t), int(b), s) for tier, (t, b, s) in by_tier.items()]
-            self.worker.stats.add(probes=1)
+            self.context.stats.add(probes=1)
 
     def retrieve(self, job: LoadJob, cache: TokenCache, g: int, by_tier: dict[str, list[float]],
                  count: bool = True) -> Retrieval:
         """The job's objects of group ``g``: one retrieve per run of chunks a tier holds, each
         timed into ``by_tier`` (tier -> [tokens, bytes, seconds], all groups) for load_costs.py;
         stops at the first run that comes back short. ``count``: into the loads' ``retrieve_s``."""
-        spaces = self.worker.namespaces.get(self.worker.tp_rank, job.scope)
+        spaces = self.context.spaces(job.scope)
         chunk = cache.chunk_size or 1
-        spans = job.spans[self.worker.tp_rank][g]
+        spans = job.spans[self.context.tp_rank][g]
         tier_of = lambda s: job.tiers[s.start // chunk] if s.start // chunk < len(job.tiers) else ""  # noqa: E731
         asked = time.perf_counter()  # the pin's views are part of getting the chunks too
-        pin = _take_pin(job, self.worker.tp_rank, g)
+        pin = _take_pin(job, self.context.tp_rank, g)
         pinned = cache.retrieve_pinned(spaces[g], spans, pin) if pin is not None else None
         if pin is not None and pinned is None:
             cache.key_store.unpin(pin)
@@ -219,41 +221,42 @@ class Loader:
                     break
         except BaseException:
             for retrieval in retrievals:
-                self._releaser.submit(retrieval.close)
+                self.release(retrieval)
             raise
         finally:
             if count:
-                self.worker.stats.add(retrieve_s=time.perf_counter() - asked, pinned_retrieves=pinned is not None)
+                self.context.stats.add(retrieve_s=time.perf_counter() - asked, pinned_retrieves=pinned is not None)
         if len(retrievals) == 1:
             return retrievals[0]
         return Retrieval([c for r in retrievals for c in r.chunks], lambda: [r.close() for r in retrievals])
 
-    def load(self, job: LoadJob, cache: TokenCache, pages: list[PagedKV], release) -> tuple[int, list[LoadSample]]:
-        """Load every group of the job: retrieve, copy, wait for the copies, release (``release``
-        is handed the retrieval's ``close``). Returns where the tokens restored in every group
-        end, and the retrieves timed by tier."""
-        loaded = [job.start] * len(self.worker.engine.groups)
+    def load(self, job: LoadJob, cache: TokenCache, pages: list[PagedKV]) -> tuple[int, list[LoadSample]]:
+        """Load every group of the job: retrieve, copy, wait for the copies, release. Returns
+        where the tokens restored in every group end, and the retrieves timed by tier."""
+        loaded = [job.start] * len(self.context.engine.groups)
         by_tier: dict[str, list[float]] = {}
         try:
-            for g, group in enumerate(self.worker.engine.groups):
+            for g, group in enumerate(self.context.engine.groups):
                 retrieval = None
                 try:
                     retrieval = self.retrieve(job, cache, g, by_tier)
-                    loaded[g] = scatter(self.worker, g, pages[g], job, retrieval)
+                    loaded[g] = scatter(self.context, g, pages[g], job, retrieval)
                     pages[g].synchronize()  # before the objects are released
                 except Exception:
                     log.exception("kvtier: load for request %s failed", job.req_id)
                 finally:
                     if retrieval is not None:
-                        release(retrieval.close)
+                        self.release(retrieval)
                 if loaded[g] < job.end:
                     break
         finally:
-            give_back_pins(job, self.worker.tp_rank, cache)  # of groups it never reached
+            give_back_pins(job, self.context.tp_rank, cache)  # of groups it never reached
         return min(loaded), [LoadSample(tier, int(t), int(b), s) for tier, (t, b, s) in by_tier.items()]
 
-    def _report(self, job: LoadJob, done: int, seconds: float, samples: list[LoadSample] = ()) -> None:
-        stats, several = self.worker.stats, len(self.worker.engine.groups) > 1
+    def report(self, job: LoadJob, done: int, seconds: float, samples: list[LoadSample] = ()) -> None:
+        """A job ended with the tokens restored up to ``done``: counted, its samples kept, and
+        (short or asynchronous) handed to the engine with the next results (``take_results``)."""
+        stats, several = self.context.stats, len(self.context.engine.groups) > 1
         with self._results:
             self._samples += samples
             if done < job.end:
@@ -262,7 +265,7 @@ class Loader:
                 if several:
                     self._failed.add(job.req_id)
                 else:
-                    self._invalid_blocks.update(job.block_ids[0][(done - job.start) // self.worker.block_size :])
+                    self._invalid_blocks.update(job.block_ids[0][(done - job.start) // self.context.block_size :])
             if job.asynchronous:
                 self._finished.add(job.req_id)
                 self._in_flight -= 1
@@ -292,13 +295,13 @@ def give_back_pins(job: LoadJob, rank: int, cache: TokenCache) -> None:
             cache.key_store.unpin(pin)
 
 
-def scatter(worker: "KvtierWorker", g: int, pages: PagedKV, job: LoadJob, retrieval,
+def scatter(context: WorkerContext, g: int, pages: PagedKV, job: LoadJob, retrieval,
             slots: slice = slice(None), count: bool = True) -> int:
     """Copy the retrieved objects' blocks that fall in the job's range into vLLM's blocks of
     group ``g`` (``slots`` of them; never into the null block: where vLLM keeps nothing for the
     group, nothing is needed); returns where the tokens restored end (``job.end`` when every
     block the group keeps there was written)."""
-    bs, group = worker.block_size, worker.engine.groups[g]
+    bs, group = context.block_size, context.engine.groups[g]
     layout = group.layout
     first = job.start // bs
     ids = np.asarray(job.block_ids[g], dtype=np.int64)
@@ -319,17 +322,17 @@ def scatter(worker: "KvtierWorker", g: int, pages: PagedKV, job: LoadJob, retrie
         needed[lo:hi] = False
         written = True
         if count:
-            worker.stats.add(load_bytes=(hi - lo) * pages.page_bytes)
+            context.stats.add(load_bytes=(hi - lo) * pages.page_bytes)
     if group.kind.keeps_state:  # the one block that holds the state at ``end``
         return job.end if written else job.start
     missing = np.flatnonzero(needed)
     return job.start + int(missing[0]) * bs if missing.size else job.end
 
 
-def _layerwise_ok(worker: "KvtierWorker") -> bool:
+def _layerwise_ok(context: WorkerContext) -> bool:
     """Layer by layer needs one group (several load asynchronously anyway) of one slot a layer."""
-    groups = worker.engine.groups
-    return len(groups) == 1 and not groups[0].kind.keeps_state and len(worker.pages[0].slots) == len(groups[0].layer_names)
+    groups = context.engine.groups
+    return len(groups) == 1 and not groups[0].kind.keeps_state and len(context.pages[0].slots) == len(groups[0].layer_names)
 
 
 class _LayerwiseCopies:
@@ -340,7 +343,7 @@ class _LayerwiseCopies:
 
     def __init__(self, loader: Loader) -> None:
         self.loader = loader
-        group = loader.worker.engine.groups[0]
+        group = loader.context.engine.groups[0]
         self.index = {name: i for i, name in enumerate(group.layer_names)}
         self.pages = loader.async_pages[0].twin()  # the copy thread's own channel
         self._thread = ThreadPoolExecutor(1, "kvtier-layers")
@@ -350,7 +353,7 @@ class _LayerwiseCopies:
 
     def start(self, jobs: list[LoadJob]) -> None:
         started = time.perf_counter()
-        worker, group = self.loader.worker, self.loader.worker.engine.groups[0]
+        context, group = self.loader.context, self.loader.context.engine.groups[0]
         retrieved = []  # (job, retrieval, its retrieves timed by tier)
         for job in jobs:
             by_tier: dict[str, list[float]] = {}
@@ -358,20 +361,20 @@ class _LayerwiseCopies:
                 retrieval = self.loader.retrieve(job, self.loader.cache, 0, by_tier)
             except Exception:
                 log.exception("kvtier: load for request %s failed", job.req_id)
-                self.loader._report(job, job.start, 0.0)
+                self.loader.report(job, job.start, 0.0)
                 continue
             finally:
-                give_back_pins(job, worker.tp_rank, self.loader.cache)
+                give_back_pins(job, context.tp_rank, self.loader.cache)
             retrieved.append((job, retrieval, [LoadSample(t, int(a), int(b), c) for t, (a, b, c) in by_tier.items()]))
         self._copied = 0
-        self._pending = self._thread.submit(self._copy, worker, len(group.layer_names), retrieved, started)
+        self._pending = self._thread.submit(self._copy, context, len(group.layer_names), retrieved, started)
 
-    def _copy(self, worker, layers: int, retrieved, started: float) -> None:
+    def _copy(self, context: WorkerContext, layers: int, retrieved, started: float) -> None:
         done = {id(job): job.end for job, _, _ in retrieved}
         try:
             for layer in range(layers):
                 for job, retrieval, _ in retrieved:
-                    end = scatter(worker, 0, self.pages, job, retrieval, slice(layer, layer + 1), count=layer == 0)
+                    end = scatter(context, 0, self.pages, job, retrieval, slice(layer, layer + 1), count=layer == 0)
                     done[id(job)] = min(done[id(job)], end)
                 self.pages.synchronize()
                 with self._cond:
@@ -385,8 +388,8 @@ class _LayerwiseCopies:
                 self._copied = layers
                 self._cond.notify_all()
             for job, retrieval, samples in retrieved:
-                self.loader._releaser.submit(retrieval.close)
-                self.loader._report(job, done[id(job)], time.perf_counter() - started, samples)
+                self.loader.release(retrieval)
+                self.loader.report(job, done[id(job)], time.perf_counter() - started, samples)
 
     def wait(self, layer_name: str) -> None:
         index = self.index.get(layer_name)

@@ -1,0 +1,78 @@
+"""The scheduler side's lookup of a request's prompt: its keys (hashed once per request, per TP
+rank and group) and the hit every rank and group agrees on, each group's kind saying which ends
+it allows (hits.py). The lookup pins what it found until a load takes it or ``unpin`` gives it
+back."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.cache import TokenCache
+from kvtier.keys import ChunkSpan, PrefixKeys, prefix_keys
+from kvtier.keystore import Pin
+from kvtier.paged.hits import best_end
+from kvtier.paged.layout import EngineLayout
+from kvtier.paged.namespaces import NamespaceCache, RequestScope
+from kvtier.paged.planner import Found, RequestState
+
+
+class PromptLookup:
+    def __init__(self, engine: EngineLayout, cache: TokenCache) -> None:
+        self.engine = engine
+        self.block_size = engine.block_size
+        self.cache = cache
+        self.namespaces = NamespaceCache(engine)
+
+    def keys(self, state: RequestState, chunk: int) -> list[list[PrefixKeys]]:
+        """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
+        per request."""
+        if state.keys is None:
+            state.keys = self.hash(state.scope, state.tokens, chunk)
+        return state.keys
+
+    def hash(self, scope: RequestScope, tokens: list[int], chunk: int) -> list[list[PrefixKeys]]:
+        """The keys of ``tokens``' chunks and partial chunks, per TP rank and group."""
+        array = np.asarray(tokens, dtype=np.uint32)
+        return [[prefix_keys(ns, array, chunk, self.block_size) for ns in self.namespaces.get(rank, scope)]
+                for rank in range(self.engine.tp_size)]
+
+    def find(self, state: RequestState, chunk: int) -> Found:
+        """What the cache holds of the request's prompt in chunks of ``chunk`` tokens: the
+        tokens hit on every TP rank and group, the tier of each chunk, the objects each rank and
+        group hit, the pins of each rank and group's lookup. One ``locate`` per rank and group,
+        partial-chunk candidates included; ranks are asked again with a lower limit until they
+        agree (they differ only after evictions)."""
+        keys = self.keys(state, chunk)
+        prompt_len = limit = len(state.tokens)
+        while True:
+            found = [self._lookup_rank(rank_keys, prompt_len, limit) for rank_keys in keys]
+            hit = min(h for h, _, _, _ in found)
+            pins = [rank_pins for _, _, _, rank_pins in found]
+            if hit == 0 or all(h == hit for h, _, _, _ in found):
+                return Found(chunk, hit, found[0][1], [spans for _, _, spans, _ in found], pins)
+            self.unpin(pins)
+            limit = hit
+
+    def _lookup_rank(self, keys: list[PrefixKeys], prompt_len: int, limit: int
+                     ) -> tuple[int, list[str], list[list[ChunkSpan]], list[Pin | None]]:
+        groups = self.engine.groups
+        attention = {
+            g: self.cache.lookup_spans(keys[g].spans, keys[g].partials, pin=True)
+            for g, group in enumerate(groups)
+            if not group.kind.keeps_state
+        }
+
+        def find_state(g: int, candidates: list[ChunkSpan]) -> int:
+            return self.cache.key_store.locate([], [candidates]).partial
+
+        hit = best_end(groups, keys, attention, find_state, prompt_len, self.block_size, limit)
+        tiers = next(iter(attention.values())).tiers if hit else []
+        pins = [attention[g].pin if g in attention else None for g in range(len(groups))]
+        return hit, tiers, [group.kind.hit_spans(keys[g], attention.get(g), hit) for g, group in enumerate(groups)], pins
+
+    def unpin(self, pins: list[list[Pin | None]]) -> None:
+        """Give back the pins of a lookup no load job took."""
+        for rank_pins in pins:
+            for pin in rank_pins:
+                if pin is not None:
+                    self.cache.key_store.unpin(pin)

@@ -1,0 +1,79 @@
+"""The lookup of a prompt (kvtier.paged.lookups) over a fake key store: no engine, no server. The
+keys are hashed once per request, the hit is the longest prefix every TP rank holds, and the
+pins of a round the ranks disagreed on go back before the next round."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvtier.cache import TokenCache
+from kvtier.keystore import Located
+from kvtier.layout import KVLayout
+from kvtier.paged.groups import FullAttention
+from kvtier.paged.layout import EngineLayout, GroupLayout
+from kvtier.paged.lookups import PromptLookup
+from kvtier.paged.namespaces import RequestScope
+from kvtier.paged.planner import RequestState
+
+BLOCK, CHUNK = 16, 64
+
+
+def _engine(tp_size: int) -> EngineLayout:
+    layout = KVLayout(2, 2, 32, "float32", block_size=BLOCK, tp_size=tp_size, arrangement="test-lookups")
+    group = GroupLayout(0, FullAttention(), ("layer0", "layer1"), (BLOCK * layout.bytes_per_token // 2,), layout)
+    return EngineLayout("tiny", "", (group,), BLOCK, tp_size, layout.arrangement)
+
+
+class FakeKeyStore:
+    """Holds a set of keys, all in "memory"; each locate pins what it found; unpins recorded."""
+
+    chunk_size = CHUNK
+
+    def __init__(self) -> None:
+        self.keys: set[bytes] = set()
+        self.pins = 0
+        self.unpinned: list[str] = []
+
+    def locate(self, spans, partials=(), pin=False) -> Located:
+        found = 0
+        while found < len(spans) and spans[found].key in self.keys:
+            found += 1
+        self.pins += 1
+        return Located(["memory"] * found, pin=f"pin{self.pins}" if pin and found else None)
+
+    def unpin(self, pin) -> None:
+        self.unpinned.append(pin)
+
+
+def _state(prompt: int) -> RequestState:
+    return RequestState(RequestScope(), SimpleNamespace(request_id="r", prompt_token_ids=list(range(prompt))))
+
+
+def test_a_prompts_keys_are_hashed_once_per_request():
+    lookup = PromptLookup(_engine(1), TokenCache(FakeKeyStore()))
+    state = _state(3 * CHUNK)
+    keys = lookup.keys(state, CHUNK)
+    assert lookup.keys(state, CHUNK) is keys and state.keys is keys
+    assert [s.end for s in keys[0][0].spans] == [CHUNK, 2 * CHUNK, 3 * CHUNK]
+    assert lookup.hash(state.scope, state.tokens, CHUNK)[0][0].spans == keys[0][0].spans
+
+
+def test_the_hit_is_the_longest_prefix_every_rank_holds_and_a_voided_rounds_pins_go_back():
+    store = FakeKeyStore()
+    lookup = PromptLookup(_engine(2), TokenCache(store))
+    state = _state(3 * CHUNK + 5)
+    keys = lookup.keys(state, CHUNK)
+    assert keys[0][0].spans[0].key != keys[1][0].spans[0].key  # each rank's keys are its own
+    store.keys = {s.key for s in keys[0][0].spans[:2]} | {keys[1][0].spans[0].key}
+    found = lookup.find(state, CHUNK)
+    assert (found.chunk, found.hit, found.tiers[0]) == (CHUNK, CHUNK, "memory")  # tiers: rank 0's, from token 0
+    assert [[[s.end for s in spans] for spans in rank] for rank in found.spans] == [[[CHUNK]], [[CHUNK]]]
+    assert store.unpinned == ["pin1", "pin2"]  # the first round: rank 0 held more than rank 1
+    assert found.pins == [["pin3"], ["pin4"]]
+    lookup.unpin(found.pins)
+    assert store.unpinned == ["pin1", "pin2", "pin3", "pin4"]
+
+
+def test_nothing_held_is_no_hit():
+    found = PromptLookup(_engine(1), TokenCache(FakeKeyStore())).find(_state(2 * CHUNK), CHUNK)
+    assert (found.hit, found.tiers, found.pins) == (0, [], [[None]])
