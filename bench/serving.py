@@ -16,9 +16,10 @@ The cap is room for the concurrency's requests plus ``--cache-prompts`` prompts 
 prompt, the room the first version of this benchmark gave at concurrency 4): a GPU sized to run
 its batch and short of room to keep the prefixes, so the capped engines are started anew for each
 concurrency. The first version capped every concurrency at 4.5 prompts, under the batch from
-concurrency 8 on (``--cache-prompts`` below 0 gives such a cap); that measures vLLM queueing for
-blocks, in every capped scenario alike, not the cost of a hit (the closing note of issue 29 has
-the breakdown).
+concurrency 8 on (``--cache-prompts`` below 0 gives such a cap). There a hit loaded from kvtier
+needs room for its whole prompt before vLLM admits it, where a hit in vLLM's own cache needs a
+block for its suffix, so it waits for running requests to finish: that measures room, not the
+cost of a load (docs/vllm.md has the breakdown).
 
 vLLM's ``prefix_repetition`` dataset (prefixes of ~4000 tokens, 64-token suffixes, 16 output
 tokens, ``--ignore-eos``, fixed seed), at concurrency 4, 8 and 16, ``--repeats`` times. For each
@@ -66,8 +67,9 @@ p50; from the second turn on
 and ``outputs_identical``: every answer of both kvtier scenarios equals vLLM alone's.
 
 Run it alone: ``flock /tmp/kvtier-heavy.lock python bench/serving.py --quick [--workload multi-turn]``
-(prefix-repetition about 10 minutes, most of it starting engines; multi-turn took 6.5 minutes at load average 12, more than half
-of it starting the servers). Prints the load average with every run, tables and each target with
+(prefix-repetition 10 minutes at 48 requests a run, 21 minutes at 96 with ``--repeats 2``, both
+at load average 3-12; multi-turn took 6.5 minutes at load average 12, more than half of it
+starting the servers). Prints the load average with every run, tables and each target with
 its verdict, and as the last line one JSON object; ``--check`` exits 1 when a target is missed.
 """
 

@@ -21,7 +21,7 @@ def test_vllms_client_takes_the_prefix_repetition_run():
     assert client.dataset_name == "prefix_repetition" and client.max_concurrency == 4
     assert (client.prefix_repetition_prefix_len, client.prefix_repetition_suffix_len) == (4000, 64)
     assert client.prefix_repetition_output_len == 16 and client.ignore_eos and client.temperature == 0
-    assert client.num_prompts == args.prefixes * args.per_prefix == 48
+    assert client.num_prompts == args.prefixes * args.per_prefix == 96
     assert client.save_detailed  # the generated texts come back for the exactness check
 
 

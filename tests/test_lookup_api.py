@@ -31,7 +31,8 @@ def namespace_json(ns=NS) -> dict:
 def ask(http: str, body, token: str = "") -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{http}/api/lookup", content=content, headers=headers, timeout=10)
+    # 60 s: the first text lookup loads the tokenizer, and transformers imports slowly on a busy host
+    return httpx.post(f"{http}/api/lookup", content=content, headers=headers, timeout=60)
 
 
 @pytest.fixture
