@@ -55,7 +55,7 @@ def test_a_prompts_keys_are_hashed_once_per_request():
     keys = lookup.keys(state, CHUNK)
     assert lookup.keys(state, CHUNK) is keys and state.keys is keys
     assert [s.end for s in keys[0][0].spans] == [CHUNK, 2 * CHUNK, 3 * CHUNK]
-    assert lookup.hash(state.scope, state.tokens, CHUNK)[0][0].spans == keys[0][0].spans
+    assert lookup.chunk_keys(state.scope, state.tokens, CHUNK)[0][0].spans == keys[0][0].spans
 
 
 def test_the_hit_is_the_longest_prefix_every_rank_holds_and_a_voided_rounds_pins_go_back():

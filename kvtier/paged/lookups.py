@@ -27,10 +27,10 @@ class PromptLookup:
         """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
         per request."""
         if state.keys is None:
-            state.keys = self.hash(state.scope, state.tokens, chunk)
+            state.keys = self.chunk_keys(state.scope, state.tokens, chunk)
         return state.keys
 
-    def hash(self, scope: RequestScope, tokens: list[int], chunk: int) -> list[list[PrefixKeys]]:
+    def chunk_keys(self, scope: RequestScope, tokens: list[int], chunk: int) -> list[list[PrefixKeys]]:
         """The keys of ``tokens``' chunks and partial chunks, per TP rank and group."""
         array = np.asarray(tokens, dtype=np.uint32)
         return [[prefix_keys(ns, array, chunk, self.block_size) for ns in self.namespaces.get(rank, scope)]

@@ -317,7 +317,7 @@ class KvtierScheduler:
         if end <= max(tracked.saved_upto, request.num_prompt_tokens) or any(len(b) < pages(end, self.block_size) for b in block_ids):
             return False
         tokens = request.all_token_ids[:end]
-        keys = self.lookups.hash(tracked.scope, tokens, chunk)  # the prompt's chunks are hashed again: a rare job
+        keys = self.lookups.chunk_keys(tracked.scope, tokens, chunk)  # the prompt's chunks are hashed again: a rare job
         history = end - max(tracked.saved_upto, request.num_prompt_tokens)
         job = self._save_plan.plan(tracked, keys, tokens, end, end, block_ids, release=True)
         if job is None:
