@@ -80,7 +80,6 @@ import asyncio
 import contextlib
 import io
 import os
-import re
 import statistics
 import sys
 import threading
@@ -94,9 +93,9 @@ from transformers import AutoConfig
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.engine_process import kvtier_transfer_config
 from kvtier_testing.exactness import mismatch
-from kvtier_testing.services import MODEL_NAME, free_port, kvtier_server, prompt_tokens_by_source, service_env
 from kvtier_testing.peers import lmcache_python, lmcache_server, lmcache_transfer_config
-from kvtier_testing.services import Service, stop_all, vllm_server
+from kvtier_testing.services import (MODEL_NAME, Service, fetch_metrics, free_port, kvtier_server, prompt_tokens_by_source,
+                                     service_env, stop_all, vllm_server)
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.tiny_model import build_tiny_model, sample_text, tiny_layout
 
@@ -235,14 +234,11 @@ DEFERRED = "vllm:kvtier_deferred_lookups_total"
 
 def metric_totals(url: str) -> dict[str, float]:
     """The samples ``PHASES`` names, summed over their labels."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     wanted = {name for pair in PHASES.values() for name in pair if name} | {"vllm:kvtier_loads_total", DEFERRED}
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    for sample in fetch_metrics(url):
+        if sample.name in wanted:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 
@@ -288,8 +284,7 @@ class QueueSampler:
     def _run(self) -> None:
         with httpx.Client(timeout=5) as client:
             while not self._stop.wait(self.every):
-                gauges = dict(_GAUGE.findall(client.get(self.url + "/metrics").text))
-                self.samples.append((float(gauges.get("running", 0)), float(gauges.get("waiting", 0))))
+                self.samples.append(queue_gauges(fetch_metrics(self.url, client)))
 
     def __enter__(self) -> "QueueSampler":
         self._thread.start()
@@ -307,7 +302,10 @@ class QueueSampler:
         return round(statistics.mean(running), 2), round(statistics.mean(waiting), 2)
 
 
-_GAUGE = re.compile(r"^vllm:num_requests_(running|waiting)\{[^}]*\} ([0-9.e+-]+)$", re.MULTILINE)
+def queue_gauges(samples: list) -> tuple[float, float]:
+    """vLLM's running and waiting request gauges, summed over engines."""
+    running = sum(s.value for s in samples if s.name == "vllm:num_requests_running")
+    return running, sum(s.value for s in samples if s.name == "vllm:num_requests_waiting")
 
 
 def cpu_seconds(service: Service | None) -> float:

@@ -188,19 +188,29 @@ def stream_completion(url: str, prompt: str | list[int], max_tokens: int) -> dic
     return {"times": times, "text": "".join(text), "usage": usage}
 
 
+def metric_samples(text: str) -> list:
+    """The samples of a Prometheus exposition text (a server's ``/metrics``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def fetch_metrics(url: str, client=None) -> list:
+    """A server's ``/metrics`` samples (``client``: an httpx client to reuse)."""
+    import httpx
+
+    return metric_samples((client or httpx).get(url + "/metrics", timeout=10).text)
+
+
 def prompt_tokens_by_source(url: str) -> dict[str, float]:
     """A vLLM server's counters: prompt tokens computed, and cached by the source that supplied
     them (device = its own cache; host / disk = loaded from kvtier's memory / disk tier)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == "vllm:prompt_tokens_cached_by_source_total":
-                out[sample.labels["source"]] = out.get(sample.labels["source"], 0) + sample.value
-            elif sample.name == "vllm:prompt_tokens_by_source_total" and sample.labels["source"] == "local_compute":
-                out["computed"] = out.get("computed", 0) + sample.value
+    for sample in fetch_metrics(url):
+        if sample.name == "vllm:prompt_tokens_cached_by_source_total":
+            out[sample.labels["source"]] = out.get(sample.labels["source"], 0) + sample.value
+        elif sample.name == "vllm:prompt_tokens_by_source_total" and sample.labels["source"] == "local_compute":
+            out["computed"] = out.get("computed", 0) + sample.value
     return out
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier_testing.services import metric_samples
+
 _spec = importlib.util.spec_from_file_location("serving", Path(__file__).parents[1] / "bench" / "serving.py")
 serving = importlib.util.module_from_spec(_spec)
 sys.modules["serving"] = serving  # its dataclass looks its module up
@@ -85,7 +87,7 @@ def test_the_queue_sampler_reads_vllms_labelled_gauges():
             'vllm:num_requests_running{engine="0",model_name="tiny"} 3.0\n'
             'vllm:num_requests_waiting{engine="0",model_name="tiny"} 5.0\n'
             'vllm:num_requests_waiting_by_reason{engine="0",reason="x"} 9.0\n')
-    assert dict(serving._GAUGE.findall(text)) == {"running": "3.0", "waiting": "5.0"}
+    assert serving.queue_gauges(metric_samples(text)) == (3.0, 5.0)
 
 
 def test_every_concurrency_has_its_own_bars():
