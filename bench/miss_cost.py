@@ -2,13 +2,14 @@
 a kvtier server on prompts it has never seen, each stored as it is computed, and the same with
 one part of kvtier's work taken away at a time.
 
-Each engine runs the tiny Llama in bfloat16 (what users serve), vLLM's prefix cache on, one
-request at a time, ``max_tokens=1``: a new context of ``--length`` random tokens and a 16-token
-question. The engines take turns (order rotating); in its turn an engine asks ``--burst``
-prompts back to back, so every prompt after the first is computed right after the stores of the
-one before (the kvtier server still writing them to its disk tier, the engine's saver thread
-still committing them). Before a turn the previous engine's saves are drained and the machine
-left a second, so that one engine's stores do not land on another's turn.
+Each engine runs a tiny model (``--family``, default the Llama) in bfloat16 (what users serve),
+vLLM's prefix cache on, one request at a time, ``max_tokens=1``: a new context of ``--length``
+random tokens and a 16-token question. The engines take turns (order rotating); in its turn an
+engine asks ``--burst`` prompts back to back, so every prompt after the first is computed right
+after the stores of the one before (the kvtier server still writing them to its disk tier, the
+engine's saver thread still committing them). Before a turn the previous engine's saves are
+drained and the machine left a second, so that one engine's stores do not land on another's
+turn.
 
     vllm        vLLM alone
     vllm_again  another vLLM alone process: how far two processes of one configuration differ
@@ -45,7 +46,7 @@ from pathlib import Path
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
 from kvtier_testing.services import free_port, kvtier_server
 from kvtier_testing.targets import Target, add_check_flag, finish, report
-from kvtier_testing.tiny_model import build_tiny_model
+from kvtier_testing.tiny_model import FAMILIES, build_tiny_model, family_spec
 
 QUESTION = 16
 TARGETS = {"miss_overhead": Target("<=", 1.03, "issue 26: a miss right after stores at vLLM's cost")}
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="fresh engines and servers this many times (default 3)")
     parser.add_argument("--length", type=int, default=4096, help="context tokens (default 4096)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="the tiny model's family (default llama)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/kvtier-miss-cost"))
     add_check_flag(parser)
     args = parser.parse_args(argv)
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}" if unknown
                      else "--turns and --burst must be >= 2, --repeats >= 1, --length >= 256")
     load_before = os.getloadavg()[0]
-    model = build_tiny_model()
+    model = build_tiny_model(family=args.family)
     repeats = []
     for repeat in range(args.repeats):
         times, timers = _run(args, names, model, args.workdir / f"repeat-{repeat + 1}")
@@ -114,7 +116,8 @@ def _run(args, names: list[str], model: Path, workdir: Path) -> tuple[dict, dict
             connector = kvtier_transfer_config({"kvtier.url": urls[kind]}, role) if kind else None
             engines[name] = EngineProcess(model, workdir, connector, enable_prefix_caching=True,
                                           max_model_len=args.length + QUESTION + 256,
-                                          llm_kwargs={"dtype": "bfloat16"}, env=env, name=name)
+                                          llm_kwargs={**family_spec(args.family).llm_kwargs, "dtype": "bfloat16"},
+                                          env=env, name=name)
             engines[name].launch()
         for engine in engines.values():
             engine.wait_ready(900)
@@ -176,9 +179,9 @@ def _print_repeat(repeat: int, names: list[str], figures: dict) -> None:
 
 def _summary(args, names: list[str], repeats: list[dict], load_before: float) -> int:
     """Medians over repeats, with their range, and the verdict."""
-    summary: dict = {"length": args.length, "turns": args.turns, "burst": args.burst, "repeats": repeats,
+    summary: dict = {"family": args.family, "length": args.length, "turns": args.turns, "burst": args.burst, "repeats": repeats,
                      "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "variants": {}}
-    print(f"\nmisses of {args.length} + {QUESTION} tokens, bfloat16, {args.turns} turns of {args.burst} per engine,"
+    print(f"\n{args.family}: misses of {args.length} + {QUESTION} tokens, bfloat16, {args.turns} turns of {args.burst} per engine,"
           f" {len(repeats)} repeats; load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
     print(f"{'variant':<12}{'after/vllm: median':>20}{'range':>16}{'first/vllm':>12}")
     for name in names:
