@@ -754,3 +754,22 @@ def test_a_commit_after_another_call_reconnected_to_a_restarted_server_is_not_lo
     finally:
         client.close()
         (restarted[0] if restarted else server).stop()
+
+
+@pytest.mark.parametrize("media, lookup, retrieve", [
+    (["memory"], True, True),
+    (["memory", "disk"], True, False),  # the disk tier's index is in memory; its objects are not
+    (["memory", "disk", "redis"], False, False),  # a remote tier's contains is a network round trip
+])
+def test_the_front_thread_answers_lookups_wherever_every_tier_indexes_in_memory(media, lookup, retrieve):
+    from types import SimpleNamespace
+
+    from kvtier.events import Medium
+    from kvtier.server.service import CacheService
+
+    tiers = [SimpleNamespace(medium=Medium(m)) for m in media]
+    store = SimpleNamespace(tiers=tiers, l1=SimpleNamespace(capacity=1 << 20))
+    service = CacheService(store, arena=None, metrics=None)
+    assert service.answers_from_memory("lookup") is lookup
+    assert service.answers_from_memory("retrieve") is retrieve
+    assert service.answers_from_memory("commit") and not service.answers_from_memory("put")

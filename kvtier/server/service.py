@@ -57,8 +57,11 @@ AHEAD_SHARE_OF_L1 = 1 / 8
 #: Requests that only touch memory (metadata of L1 and of the handles kept here): the front
 #: thread answers them itself, without the two hops to a worker thread and back.
 _MEMORY_OPS = frozenset({"hello", "ping", "reserve", "commit", "abort", "release"})
-#: ... and these too where every tier is in memory (otherwise they may wait on a disk or network).
-_LOOKUP_OPS = frozenset({"lookup", "retrieve"})
+#: ... a lookup too where every tier answers ``contains`` from an index in memory (memory, disk:
+#: ``Medium.quick_contains``; a remote tier's answer is a network round trip), and a retrieve
+#: where every tier is in memory (otherwise it may read a disk or a network).
+_LOOKUP = "lookup"
+_RETRIEVE = "retrieve"
 #: Requests that need no session (a hello opens one).
 _OPEN_OPS = frozenset({"hello", "ping"})
 #: A session unseen for this many lease timeouts is forgotten (every handle of it expired long before).
@@ -97,6 +100,7 @@ class CacheService:
         self._lock = threading.Lock()
         self._per_op: dict[str, tuple] = {}  # each op's request counter and latency histogram
         self._memory_only = all(tier.medium.value == "memory" for tier in store.tiers)
+        self._quick_lookups = all(tier.medium.quick_contains for tier in store.tiers)
         self._handlers: dict[type, Callable[[p.Request, list], Response]] = {
             p.Hello: self._hello,
             p.Ping: self._ping,
@@ -117,7 +121,8 @@ class CacheService:
     def answers_from_memory(self, op: str) -> bool:
         """Whether a request of this ``op`` never waits on a disk or a network (the front thread
         may answer it in place)."""
-        return op in _MEMORY_OPS or (self._memory_only and op in _LOOKUP_OPS)
+        return (op in _MEMORY_OPS or (op == _LOOKUP and self._quick_lookups)
+                or (op == _RETRIEVE and self._memory_only))
 
     def handle(self, frames: list) -> Response:
         """Never raises: every failure becomes an ``Error`` reply and the server goes on."""
