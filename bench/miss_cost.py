@@ -76,14 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=4096, help="context tokens (default 4096)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
     parser.add_argument("--family", default="llama", choices=list(FAMILIES), help="the tiny model's family (default llama)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="vLLM's max_num_batched_tokens: a prompt prefilled in steps of this many tokens, each"
+                             " saving what it completes (bench/vllm_ttft.py --families uses 512 for families with a"
+                             " window group; default vLLM's)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/kvtier-miss-cost"))
     add_check_flag(parser)
     args = parser.parse_args(argv)
     names = ["vllm", *(v for v in args.variants.split(",") if v != "vllm")]
     unknown = [v for v in names if v not in VARIANTS]
-    if unknown or min(args.turns, args.burst) < 2 or args.repeats < 1 or args.length < 256:
+    if unknown or min(args.turns, args.burst) < 2 or args.repeats < 1 or args.length < 256 or (args.prefill_chunk or 256) < 256:
         parser.error(f"unknown variants {unknown}" if unknown
-                     else "--turns and --burst must be >= 2, --repeats >= 1, --length >= 256")
+                     else "--turns and --burst must be >= 2, --repeats >= 1, --length and --prefill-chunk >= 256")
     load_before = os.getloadavg()[0]
     model = build_tiny_model(family=args.family)
     repeats = []
@@ -116,7 +120,9 @@ def _run(args, names: list[str], model: Path, workdir: Path) -> tuple[dict, dict
             connector = kvtier_transfer_config({"kvtier.url": urls[kind]}, role) if kind else None
             engines[name] = EngineProcess(model, workdir, connector, enable_prefix_caching=True,
                                           max_model_len=args.length + QUESTION + 256,
-                                          llm_kwargs={**family_spec(args.family).llm_kwargs, "dtype": "bfloat16"},
+                                          llm_kwargs={**family_spec(args.family).llm_kwargs, "dtype": "bfloat16",
+                                                      **({"max_num_batched_tokens": args.prefill_chunk}
+                                                         if args.prefill_chunk else {})},
                                           env=env, name=name)
             engines[name].launch()
         for engine in engines.values():
@@ -179,9 +185,11 @@ def _print_repeat(repeat: int, names: list[str], figures: dict) -> None:
 
 def _summary(args, names: list[str], repeats: list[dict], load_before: float) -> int:
     """Medians over repeats, with their range, and the verdict."""
-    summary: dict = {"family": args.family, "length": args.length, "turns": args.turns, "burst": args.burst, "repeats": repeats,
+    summary: dict = {"family": args.family, "prefill_chunk": args.prefill_chunk, "length": args.length, "turns": args.turns,
+                     "burst": args.burst, "repeats": repeats,
                      "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)], "variants": {}}
-    print(f"\n{args.family}: misses of {args.length} + {QUESTION} tokens, bfloat16, {args.turns} turns of {args.burst} per engine,"
+    chunks = f" in steps of {args.prefill_chunk}" if args.prefill_chunk else ""
+    print(f"\n{args.family}: misses of {args.length} + {QUESTION} tokens{chunks}, bfloat16, {args.turns} turns of {args.burst} per engine,"
           f" {len(repeats)} repeats; load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
     print(f"{'variant':<12}{'after/vllm: median':>20}{'range':>16}{'first/vllm':>12}")
     for name in names:
