@@ -191,19 +191,32 @@ class TokenCache:
         (kvtier.events.BlockRecord); ``tenant`` owns the objects (their quota: tiers/tenants.py).
         A failing ``fill`` aborts every slot of the call (nothing of it becomes visible) and
         re-raises."""
+        return self.store_groups([(namespace, spans)], fill, records, tenant)
+
+    def store_groups(
+        self,
+        groups: Sequence[tuple[Namespace, Sequence[ChunkSpan]]],
+        fill: FillFn,
+        records: Sequence[bytes] = (),
+        tenant: str = "",
+    ) -> int:
+        """``store_spans`` of the spans of every (namespace, spans) group in one reserve and one
+        commit (``records``: over all the spans in order)."""
+        spans = [(namespace, span) for namespace, group in groups for span in group]
         if not spans:
             return 0
-        reservations = self.key_store.reserve(self._items(namespace, spans), records, tenant)
+        items = [item for namespace, span in spans for item in self._items(namespace, [span])]
+        reservations = self.key_store.reserve(items, records, tenant)
         self.stats.failed_chunks += len(reservations) < len(spans)
-        slots = [(span, r) for span, r in zip(spans, reservations) if r is not None]
+        slots = [(namespace, span, r) for (namespace, span), r in zip(spans, reservations) if r is not None]
         self.stats.skipped_chunks += len(reservations) - len(slots)
         try:
-            for span, reservation in slots:
+            for _, span, reservation in slots:
                 fill(span, reservation.view[HEADER_SIZE:])
         except BaseException:
-            self.key_store.abort([r for _, r in slots])
+            self.key_store.abort([r for _, _, r in slots])
             raise
-        return self.commit_filled([(namespace, span, r) for span, r in slots])
+        return self.commit_filled(slots)
 
     def lend_spans(
         self, groups: Sequence[tuple[Namespace, Sequence[ChunkSpan]]], records: Sequence[bytes] = (), tenant: str = ""

@@ -162,7 +162,7 @@ class KvtierClient:
         self.reserve_ahead_bytes = reserve_ahead_bytes
         self._lease_timeout_s = 0.0
         self._pool: deque[_Ahead] = deque()  # slots reserved ahead, not lent out
-        self._pool_target = 0  # the most objects one store held
+        self._pool_target = 0  # the most objects one store held or asked to be lent
         self._lent: dict[int, _Ahead] = {}  # slots of the pool in reservations not committed yet
         self._done: list[int] = []  # handles to give back with the next request
         self._done_for: dict[bytes, list[int]] = {}  # handles of other sessions (their pins) to give back
@@ -515,6 +515,9 @@ class KvtierClient:
             if self._arena is None or self._socket is None:
                 return None
             self._expire_pool()
+            # the next commits refill the pool for a store this big (one job of every group's objects:
+            # stored through reserve and commit instead, it would name only part of them at a time)
+            self._pool_target = max(self._pool_target, len(items))
             if len(self._pool) < len(items) or any(a.size < size for a, (_, size) in zip(self._pool, items)):
                 return None
             return self._lend_ahead(items, records, tenant)

@@ -597,6 +597,44 @@ def test_lend_gives_every_slot_from_the_pool_without_a_call_or_none(server):
     client.close()
 
 
+def test_a_lend_refused_for_a_short_pool_grows_the_pool_to_what_it_asked(server):
+    """A job of several groups' objects asks for more slots than any one store named: the
+    commits that follow refill the pool for the whole job, so the next such job is lent its
+    slots (one commit) instead of falling back to a reserve and a commit per group."""
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
+    cache = TokenCache(client)
+    first = tokens(96_000, 48)
+    assert cache.store(NS, first, fill_for(first)) == 3  # the pool holds three slots
+    job = [(NS, cache.spans(NS, tokens(95_000 + i, 32))) for i in range(3)]  # six objects
+    assert cache.lend_spans(job) is None
+    second = tokens(94_000, 16)
+    assert cache.store(NS, second, fill_for(second)) == 1  # its commit refills the pool
+    before = requests_of(server)
+    lent = cache.lend_spans(job)
+    assert lent is not None and len(lent) == 6
+    assert requests_of(server) == before
+    client.abort([slot for _, _, slot in lent])
+    client.close()
+
+
+def test_a_store_of_several_groups_is_one_reserve_and_one_commit(server):
+    from kvtier.keys import Namespace
+
+    other = Namespace(model="workload-other-group", layout=NS.layout)
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=0)
+    cache = TokenCache(client)
+    toks = tokens(93_000, 48)
+    groups = [(NS, cache.spans(NS, toks)), (other, cache.spans(other, toks))]
+    before = requests_of(server)
+    assert cache.store_groups(groups, fill_for(toks)) == 6
+    calls = {op: n - before.get(op, 0) for op, n in requests_of(server).items() if n != before.get(op, 0)}
+    assert calls == {"reserve": 1, "commit": 1}
+    for namespace in (NS, other):
+        with cache.retrieve(namespace, toks) as r:
+            assert r.num_tokens == 48 and retrieved_is_exact(r, toks)
+    client.close()
+
+
 def test_a_handle_named_by_another_session_is_refused_and_counted():
     """Handles are random and the session's that got them: another client naming them (in
     ``done``, an ``Abort`` or a ``Commit``) ends nothing, and each try is counted."""

@@ -237,21 +237,22 @@ class Saver:
         stats.add(save_s=time.perf_counter() - started)
 
     def _store_from_ring(self, staged: _Staged) -> tuple[int, list[int]]:
-        """Reserve, copy from the ring, seal and commit, group by group: the chunks stored, and
-        the bytes copied by group (none for a chunk cached already)."""
-        job, stored, written = staged.job, 0, [0] * len(staged.spans)
+        """Reserve, copy from the ring, seal and commit every group's chunks in one store: the
+        chunks stored, and the bytes copied by group (none for a chunk cached already)."""
+        job, written = staged.job, [0] * len(staged.spans)
         spaces = self.context.spaces(job.scope)
-        for g, spans in enumerate(staged.spans):
+        group_of = {key: g for g, key in staged.offsets}  # a key names its group's namespace too
 
-            def fill(span: ChunkSpan, dest: memoryview, g: int = g) -> None:
-                offset, size = staged.offsets[(g, span.key)]
-                # numpy lets go of the GIL for the copy (a memoryview assignment would hold it)
-                np.copyto(np.frombuffer(dest, np.uint8, size), self.ring.buffer[offset : offset + size])
-                written[g] += size
+        def fill(span: ChunkSpan, dest: memoryview) -> None:
+            g = group_of[span.key]
+            offset, size = staged.offsets[(g, span.key)]
+            # numpy lets go of the GIL for the copy (a memoryview assignment would hold it)
+            np.copyto(np.frombuffer(dest, np.uint8, size), self.ring.buffer[offset : offset + size])
+            written[g] += size
 
-            if spans:
-                stored += self.cache.store_spans(spaces[g], spans, fill, _records(job, g, spans), job.scope.tenant)
-        return stored, written
+        groups = [(spaces[g], spans) for g, spans in enumerate(staged.spans)]
+        records = [r for g, spans in enumerate(staged.spans) for r in _records(job, g, spans)]
+        return self.cache.store_groups(groups, fill, records, job.scope.tenant), written
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
