@@ -10,7 +10,7 @@ _spec = importlib.util.spec_from_file_location("miss_cost", Path(__file__).paren
 miss_cost = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(miss_cost)
 
-ARGS = SimpleNamespace(turns=2, burst=3, length=4096, check=True)
+ARGS = SimpleNamespace(turns=2, burst=3, length=4096, check=True, family="llama", prefill_chunk=None)
 NAMES = ["vllm", "kvtier"]
 TIMERS = {name: {label: 0.0 for _, _, label in miss_cost.TIMERS} for name in NAMES}
 
