@@ -1,9 +1,8 @@
 """L1 and L2 tier throughput against the plain operation on the same bytes, in one run.
 
     L1 put  vs memcpy into a preallocated buffer        L1 get (lease, copy out) vs memcpy
-    L2 put  vs raw write of the same bytes              L2 cold get vs raw read of the same bytes
-            (same I/O mode, each file fsynced in both with ``--durable-writes``; page cache
-            dropped with posix_fadvise DONTNEED before every cold read)
+    L2 put  vs raw write + fsync of the same bytes      L2 cold get vs raw read of the same bytes
+            (same I/O mode; page cache dropped with posix_fadvise DONTNEED before every cold read)
 
 Objects: Llama-3.1-8B geometry (32 layers, 8 KV heads, head size 128, bf16, 256 tokens = 32 MiB)
 and the tiny test model's (4 layers, 2 KV heads, head size 64, fp32, 256 tokens = 1 MiB).
@@ -93,7 +92,7 @@ def bench_l1(objects, repeats: int) -> dict[str, float]:
     return {name: total / seconds / GIB for name, seconds in result.items()}
 
 
-def bench_l2(objects, workdir: Path, odirect: bool, durable: bool, repeats: int) -> dict[str, float]:
+def bench_l2(objects, workdir: Path, odirect: bool, repeats: int) -> dict[str, float]:
     size = len(objects[0][1])
     total = size * len(objects)
     raw_dir = workdir / "raw"
@@ -114,8 +113,7 @@ def bench_l2(objects, workdir: Path, odirect: bool, durable: bool, repeats: int)
             fd = os.open(raw_dir / f"{i}.bin", os.O_WRONLY | os.O_CREAT | flags, 0o644)
             try:
                 os.write(fd, buf if odirect else memoryview(buf)[:size])
-                if durable:
-                    os.fsync(fd)
+                os.fsync(fd)
             finally:
                 os.close(fd)
 
@@ -125,7 +123,7 @@ def bench_l2(objects, workdir: Path, odirect: bool, durable: bool, repeats: int)
         if tier:
             tier.pop().close()
         shutil.rmtree(tier_dir, ignore_errors=True)
-        tier.append(DiskTier(tier_dir, max_capacity_bytes=2 * total + (64 << 20), use_odirect=odirect, durable_writes=durable))
+        tier.append(DiskTier(tier_dir, max_capacity_bytes=2 * total + (64 << 20), use_odirect=odirect))
         # From page-aligned memory, as from L1 slots.
         assert all(tier[0].put([(key, memoryview(buf)[:size]) for (key, _), buf in zip(objects, aligned_sources)]))
 
@@ -166,7 +164,7 @@ TARGETS = {
     for name, bar, why in (
         ("l1_put_vs_memcpy", 0.8, "L1 put is one copy"),
         ("l1_get_vs_memcpy", 0.8, "L1 get is one copy"),
-        ("l2_put_vs_raw", 0.7, "one write (and fsync)"),
+        ("l2_put_vs_raw", 0.7, "one write + fsync"),
         ("l2_get_vs_raw", 0.7, "one read"),
     )
 }
@@ -176,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer and smaller runs (under 60 s)")
     parser.add_argument("--odirect", action="store_true", help="O_DIRECT for the L2 tier and its raw reference")
-    parser.add_argument("--durable-writes", action="store_true", help="the L2 tier's durable_writes, and an fsync per raw file")
     parser.add_argument("--workdir", default=cache_dir("bench-tiers"), help="directory on the disk to measure")
     add_plot_flag(parser)
     add_check_flag(parser)
@@ -188,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, layout in GEOMETRIES.items():
         objects = make_objects(layout, counts[name])
         l1 = bench_l1(objects, repeats)
-        l2 = bench_l2(objects, Path(args.workdir) / name, args.odirect, args.durable_writes, repeats)
+        l2 = bench_l2(objects, Path(args.workdir) / name, args.odirect, repeats)
         ratios = {
             "l1_put_vs_memcpy": l1["put"] / l1["memcpy_in"],
             "l1_get_vs_memcpy": l1["get"] / l1["memcpy_out"],
@@ -198,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += [
             (name, "L1 put", l1["put"], l1["memcpy_in"], "memcpy", ratios["l1_put_vs_memcpy"]),
             (name, "L1 get", l1["get"], l1["memcpy_out"], "memcpy", ratios["l1_get_vs_memcpy"]),
-            (name, "L2 put", l2["put"], l2["raw_put"], "raw write+fsync" if args.durable_writes else "raw write", ratios["l2_put_vs_raw"]),
+            (name, "L2 put", l2["put"], l2["raw_put"], "raw write+fsync", ratios["l2_put_vs_raw"]),
             (name, "L2 cold get", l2["get"], l2["raw_get"], "raw read", ratios["l2_get_vs_raw"]),
         ]
         suffix = "" if name == "llama8b-32MiB" else "_small"
@@ -208,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, op, ours, ref, ref_name, ratio in rows:
         print(f"{name:<15} {op:<12} {ours:>13.2f} {ref:>16.2f}  {ref_name:<16} {ratio:>6.2f}")
     summary["odirect"] = args.odirect
-    summary["durable_writes"] = args.durable_writes
     if args.plot:
         groups: dict[str, list] = {}
         for name, op, ours, ref, ref_name, _ in rows:

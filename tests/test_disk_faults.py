@@ -98,7 +98,7 @@ class DiskFaults:
 
 @pytest.fixture
 def tier(tmp_path):
-    t = DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20, durable_writes=True)  # fsync faults reach it
+    t = DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)
     assert t.put([(key(1), obj(1)), (key(2), obj(2))]) == [True, True]
     yield t
     t.close()

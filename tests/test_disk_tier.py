@@ -258,7 +258,6 @@ def test_odirect_reads_files_written_without_it(tmp_path):
     [("open", errno.EROFS), ("replace", errno.EACCES), ("write", errno.ENOSPC), ("fsync", errno.EIO)],
 )
 def test_io_errors_fail_the_put_and_reads_still_work(tier, monkeypatch, caplog, failing, error):
-    tier.durable_writes = failing == "fsync"  # only a durable write flushes (and hears of a failing device then)
     tier.put([(key(1), obj(1))])
     real = getattr(os, failing)
 
@@ -364,26 +363,4 @@ def test_block_records_live_beside_their_objects_and_survive_a_restart(tmp_path)
     check_capacity(t, 3 * size() + 300)
     t.delete([key(3)])
     assert t.records() == [] and not (base / f"{key(3).hex()}.blocks").exists()
-    t.close()
-
-
-@pytest.mark.parametrize("durable", [False, True])
-def test_only_durable_writes_flush_each_object_to_the_device(tmp_path, monkeypatch, durable):
-    """A flush per object costs the engine's misses on a small host (the module docstring);
-    without it an object still reads back whole, and one torn behind the tier's back is a miss."""
-    from kvtier.config import convert
-    from kvtier.tiers.disk import FsAdapterConfig
-
-    config = convert({"type": "fs", "base_path": str(tmp_path / "l2"), "max_capacity_gb": 0.001,
-                      "durable_writes": durable}, FsAdapterConfig)
-    t = config.build("l2")
-    flushed = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(fd), real(fd))[1])
-    assert t.put([(key(1), obj(1)), (key(2), obj(2))]) == [True, True]
-    assert len(flushed) == (2 if durable else 0)
-    assert [bytes(b) for b in t.get([key(1), key(2)])] == [obj(1), obj(2)]
-    path = object_file(t.path, 2)
-    path.write_bytes(path.read_bytes()[: len(obj(2)) // 2])  # what a power loss can leave of an unflushed write
-    assert t.get([key(2)]) == [None] and t.contains([key(2)]) == [False]
     t.close()

@@ -1,15 +1,10 @@
 """L2: a disk tier in one directory, with a hard byte capacity and a cache that survives restarts.
 
 Each object is one file named by its key (``<64 hex>.kv``). Writes go to a temp name in the same
-directory and are renamed, so a process that dies mid-write leaves a temp file that the next start
-removes, never part of an object under its name. Every read verifies the object's checksum: a bad,
-partial or foreign file is a miss and is deleted. So an object need not reach the device before
-it is renamed: what the kernel holds survives a crash or restart of the process, and what a power
-loss tears is a miss. With ``durable_writes`` each object is fsynced before its rename, so it
-survives a power loss too and a full or failing device is noticed at the write; that costs a
-device flush per object (on the 2-core test machine, 5% more time for an engine's misses that store
-36 objects each, bench/miss_cost.py). The directory itself is never fsynced: a rename lost in a
-crash is only a miss. The index is rebuilt from the directory at start.
+directory, are fsynced and renamed, so a crash leaves either the whole object or a temp file that
+the next start removes; the directory itself is not fsynced, because a rename lost in a crash is
+only a miss. Every read verifies the object's checksum: a bad, partial or foreign file is a miss
+and is deleted. The index is rebuilt from the directory at start.
 
 An object's block record (tiers/base.py), if it came with one, is a small file beside it
 (``<64 hex>.blocks``), written before the object and removed with it, so what the tier holds
@@ -80,7 +75,6 @@ class FsAdapterConfig(AdapterConfig, tag="fs"):
     base_path: Annotated[str, msgspec.Meta(min_length=1)]
     max_capacity_gb: PositiveGB | None = None
     use_odirect: bool = False
-    durable_writes: bool = False  # fsync each object before its rename (see the module docstring)
     eviction_policy: EvictionPolicyName = "LRU"
     admission: AdmissionName = "none"
     admission_window: WindowShare = 0.01
@@ -90,7 +84,6 @@ class FsAdapterConfig(AdapterConfig, tag="fs"):
             self.base_path,
             max_capacity_bytes=None if self.max_capacity_gb is None else int(self.max_capacity_gb * GB),
             use_odirect=self.use_odirect,
-            durable_writes=self.durable_writes,
             eviction_policy=self.eviction_policy,
             admission=self.admission,
             admission_window=self.admission_window,
@@ -112,11 +105,9 @@ class DiskTier(Tier):
         name: str | None = None,
         admission: str = "none",
         admission_window: float = 0.01,
-        durable_writes: bool = False,
     ) -> None:
         """``max_capacity_bytes`` None means what the existing cache uses plus half of the free
-        space of the filesystem now: a disk tier is never unbounded. ``durable_writes``: fsync
-        each object before its rename (module docstring)."""
+        space of the filesystem now: a disk tier is never unbounded."""
         super().__init__(name)
         capacity = max_capacity_bytes
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
@@ -131,7 +122,6 @@ class DiskTier(Tier):
             raise ConfigError(f"cannot create the L2 directory {self.path}: {e}") from None
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise ConfigError(f"L2 directory {self.path} is not writable")
-        self.durable_writes = durable_writes
         self._lock = threading.Lock()
         self._writing: set[bytes] = set()
         self._records: dict[bytes, bytes] = {}  # block records of indexed objects that have one
@@ -346,8 +336,7 @@ class DiskTier(Tier):
         return dest[:done]
 
     def _write_file(self, key: bytes, obj: memoryview, size: int) -> None:
-        """Temp file (fsynced with ``durable_writes``), rename: the final name only ever holds a
-        whole object."""
+        """Temp file, fsync, rename: the final name only ever holds a whole object."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (os.O_DIRECT if self.odirect else 0)
         segments = [obj]
         if self.odirect:  # whole pages from aligned memory; the header gives the real length
@@ -364,8 +353,7 @@ class DiskTier(Tier):
                     written = 0
                     while written < len(segment):
                         written += os.write(fd, segment[written:])
-                if self.durable_writes:
-                    os.fsync(fd)
+                os.fsync(fd)
             finally:
                 os.close(fd)
 
