@@ -202,10 +202,9 @@ class TokenCache:
     ) -> int:
         """``store_spans`` of the spans of every (namespace, spans) group in one reserve and one
         commit (``records``: over all the spans in order)."""
-        spans = [(namespace, span) for namespace, group in groups for span in group]
+        spans, items = self._flat(groups)
         if not spans:
             return 0
-        items = [item for namespace, span in spans for item in self._items(namespace, [span])]
         reservations = self.key_store.reserve(items, records, tenant)
         self.stats.failed_chunks += len(reservations) < len(spans)
         slots = [(namespace, span, r) for (namespace, span), r in zip(spans, reservations) if r is not None]
@@ -225,10 +224,9 @@ class TokenCache:
         without waiting (``KeyStore.lend``), or None. The caller writes each chunk's raw KV at
         ``HEADER_SIZE`` into its slot and hands the triples to ``commit_filled``, or the slots to
         the key store's ``abort``. ``records``: as ``store_spans``', over all the spans in order."""
-        spans = [(namespace, span) for namespace, group in groups for span in group]
+        spans, items = self._flat(groups)
         if not spans:
             return []
-        items = [item for namespace, span in spans for item in self._items(namespace, [span])]
         lent = self.key_store.lend(items, records, tenant)
         return None if lent is None else [(namespace, span, r) for (namespace, span), r in zip(spans, lent)]
 
@@ -249,6 +247,13 @@ class TokenCache:
         self.stats.stored_chunks += len(stored)
         self.stats.stored_tokens += sum(s.num_tokens for s in stored)
         return len(stored)
+
+    @classmethod
+    def _flat(cls, groups: Sequence[tuple[Namespace, Sequence[ChunkSpan]]]
+              ) -> tuple[list[tuple[Namespace, ChunkSpan]], list[tuple[bytes, int]]]:
+        """Every group's spans in order, each with its namespace, and their (key, object size) items."""
+        spans = [(namespace, span) for namespace, group in groups for span in group]
+        return spans, [item for namespace, span in spans for item in cls._items(namespace, [span])]
 
     @staticmethod
     def _items(namespace: Namespace, spans: Sequence[ChunkSpan]) -> list[tuple[bytes, int]]:

@@ -93,7 +93,7 @@ class StagingRing:
 class _Staged:
     job: SaveJob
     spans: list[list[ChunkSpan]]  # per group, the objects staged
-    offsets: dict[tuple[int, bytes], tuple[int, int]]  # (group, key) -> (ring offset, bytes)
+    offsets: dict[bytes, tuple[int, int, int]]  # key -> (group, ring offset, bytes); a key names its group's namespace too
     fences: list  # device copies into the ring or the slots still under way (CUDA events; see PagedKV.fence)
     slots: list[tuple[Namespace, ChunkSpan, Reservation]] | None = None  # the lent slots the pages went to (no ring)
 
@@ -136,7 +136,7 @@ class Saver:
         try:
             for (g, span, ids, size), (start, dest) in zip(objects, dests):
                 context.pages[g].gather(ids, dest)
-                offsets[(g, span.key)] = (start, size)
+                offsets[span.key] = (g, start, size)
         except BaseException:
             if slots is not None:
                 self.cache.key_store.abort([slot for _, _, slot in slots])
@@ -222,7 +222,7 @@ class Saver:
             fence.synchronize()
         if staged.slots is not None:
             stored, written = self.cache.commit_filled(staged.slots), [0] * len(staged.spans)
-            for (g, _), (_, size) in staged.offsets.items():
+            for g, _, size in staged.offsets.values():
                 written[g] += size
         else:
             stored, written = self._store_from_ring(staged)
@@ -241,11 +241,9 @@ class Saver:
         chunks stored, and the bytes copied by group (none for a chunk cached already)."""
         job, written = staged.job, [0] * len(staged.spans)
         spaces = self.context.spaces(job.scope)
-        group_of = {key: g for g, key in staged.offsets}  # a key names its group's namespace too
 
         def fill(span: ChunkSpan, dest: memoryview) -> None:
-            g = group_of[span.key]
-            offset, size = staged.offsets[(g, span.key)]
+            g, offset, size = staged.offsets[span.key]
             # numpy lets go of the GIL for the copy (a memoryview assignment would hold it)
             np.copyto(np.frombuffer(dest, np.uint8, size), self.ring.buffer[offset : offset + size])
             written[g] += size

@@ -3,8 +3,9 @@ threads and the HTTP control plane, and runs them until SIGINT or SIGTERM.
 
 The front thread owns the data port. A request that only touches memory (``CacheService.
 answers_from_memory``: a ping, the handles of two-phase writes and leases, a lookup where every
-tier indexes its keys in memory, and a retrieve where every tier is memory) it answers itself; anything that may wait on a disk, a network or a
-large copy it hands to a worker thread, and relays the reply. A round trip of the first kind
+tier indexes its keys in memory, and a retrieve where every tier is memory) it answers itself;
+anything that may wait on a disk, a network or a large copy it hands to a worker thread, and
+relays the reply. A round trip of the first kind
 costs what a bare ZeroMQ one does, plus the handler.
 
 Stopping may never hang, whatever clients sent: no socket lingers, every receive and every wait
