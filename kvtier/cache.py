@@ -21,7 +21,7 @@ import numpy as np
 
 from kvtier.errors import ObjectError
 from kvtier.keys import ChunkSpan, Namespace, chunk_spans, spans_within
-from kvtier.keystore import KeyStore, Lease, Pin, Reservation
+from kvtier.keystore import KeyStore, Lease, Located, Pin, Reservation
 from kvtier.layout import KVLayout
 from kvtier.objects import HEADER_SIZE, decode_payload, object_size, seal
 
@@ -95,6 +95,16 @@ def payload_chunks(spans: Sequence[ChunkSpan], leases: Sequence[Lease], layout: 
     return chunks
 
 
+def _result(spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]], located: Located) -> LookupResult:
+    """A lookup's hit prefix from the store's ``locate`` of ``spans`` (with ``partials``)."""
+    hit = list(spans[: len(located.tiers)])
+    tiers = list(located.tiers)
+    if located.partial >= 0:
+        hit.append(partials[len(tiers)][located.partial])
+        tiers.append(located.partial_tier)
+    return LookupResult(hit[-1].end if hit else 0, hit, tiers, located.pin)
+
+
 class TokenCache:
     def __init__(self, store: KeyStore) -> None:
         self.key_store = store
@@ -128,13 +138,15 @@ class TokenCache:
         the caller hands the result's pin to ``retrieve_pinned`` or the store's ``unpin``."""
         if not spans:
             return LookupResult(0, [], [])
-        located = self.key_store.locate(spans, partials, pin)
-        hit = list(spans[: len(located.tiers)])
-        tiers = list(located.tiers)
-        if located.partial >= 0:
-            hit.append(partials[len(tiers)][located.partial])
-            tiers.append(located.partial_tier)
-        return LookupResult(hit[-1].end if hit else 0, hit, tiers, located.pin)
+        return _result(spans, partials, self.key_store.locate(spans, partials, pin))
+
+    def lookup_groups(self, chains: Sequence[tuple[Sequence[ChunkSpan], Sequence[Sequence[ChunkSpan]]]],
+                      pin: bool = False) -> list[LookupResult]:
+        """``lookup_spans`` of each (spans, partials) chain, in one round trip to a server."""
+        asked = [i for i, (spans, _) in enumerate(chains) if spans]
+        located = iter(self.key_store.locate_groups([chains[i] for i in asked], pin) if asked else ())
+        return [_result(spans, partials, next(located)) if spans else LookupResult(0, [], [])
+                for spans, partials in chains]
 
     # -- retrieve ----------------------------------------------------------------------------
 

@@ -108,6 +108,26 @@ def _sealed_copy(view: memoryview) -> bytearray:
     return copy
 
 
+def _chain(spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]]) -> dict:
+    """A ``Lookup``'s chain fields for ``KeyStore.locate``'s arguments."""
+    flat = [(i, span) for i, group in enumerate(partials) for span in group]
+    return dict(keys=[s.key for s in spans], ends=[s.end for s in spans], partials=[s.key for _, s in flat],
+                partial_at=[i for i, _ in flat], partial_ends=[s.end for _, s in flat])
+
+
+def _located(reply: p.LookupReply, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]],
+             arena: bytes, session: bytes) -> Located:
+    """``KeyStore.locate``'s answer from a chain's reply (its partial an index into its chunk's candidates)."""
+    flat = [(i, span) for i, group in enumerate(partials) for span in group]
+    hit = [s.key for s in spans[: len(reply.tiers)]] + ([flat[reply.partial][1].key] if reply.partial >= 0 else [])
+    pinned = Pin(reply.lease, arena, {key: (offset, size) for key, offset, size in zip(hit, reply.offsets, reply.sizes)},
+                 time.monotonic(), session) if reply.lease else None
+    if reply.partial < 0:
+        return Located(list(reply.tiers), pin=pinned)
+    first = next(j for j, (i, _) in enumerate(flat) if i == len(reply.tiers))
+    return Located(list(reply.tiers), reply.partial - first, reply.partial_tier, pinned)
+
+
 def _arena_lease(arena: SharedArena, key: bytes, offset: int, size: int, lease: int) -> Lease:
     """A read-only view of a leased object in this process's mapping of the server's arena."""
     view = memoryview(arena.memory)[ARENA_OFFSET + offset : ARENA_OFFSET + offset + size].toreadonly()
@@ -349,25 +369,32 @@ class KvtierClient:
             return False
 
     def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = (), pin: bool = False) -> Located:
-        flat = [(i, span) for i, group in enumerate(partials) for span in group]
-        request = lambda: p.Lookup(  # noqa: E731
-            keys=[s.key for s in spans], ends=[s.end for s in spans],
-            partials=[s.key for _, s in flat], partial_at=[i for i, _ in flat], partial_ends=[s.end for _, s in flat],
-            pin=pin and self._arena is not None, arena=self._arena_id if pin else b"",
-        )
+        request = lambda: p.Lookup(**_chain(spans, partials), pin=pin and self._arena is not None,  # noqa: E731
+                                   arena=self._arena_id if pin else b"")
+        located = self._located(request, [(spans, partials)])
+        return located[0] if located else Located()
+
+    def locate_groups(self, chains: Sequence[tuple[Sequence[ChunkSpan], Sequence[Sequence[ChunkSpan]]]],
+                      pin: bool = False) -> list[Located]:
+        """One ``LookupGroups``: a round trip for every chain."""
+        request = lambda: p.LookupGroups(  # noqa: E731
+            chains=[p.Lookup(**_chain(spans, partials)) for spans, partials in chains],
+            pin=pin and self._arena is not None, arena=self._arena_id if pin else b"")
+        return self._located(request, chains) or [Located() for _ in chains]
+
+    def _located(self, request, chains) -> list[Located] | None:
+        """The ``Located`` of each chain from the reply to ``request`` (None: no reply)."""
         try:
             with self._lock:  # the arena a pin is in, and the session holding it: those of this call
                 reply, _ = self._call(request)
                 arena, session = self._arena_id, self._session
         except Unavailable:
-            return Located()
-        hit = [s.key for s in spans[: len(reply.tiers)]] + ([flat[reply.partial][1].key] if reply.partial >= 0 else [])
-        pinned = Pin(reply.lease, arena, {key: (offset, size) for key, offset, size in zip(hit, reply.offsets, reply.sizes)},
-                     time.monotonic(), session) if reply.lease else None
-        if reply.partial < 0:
-            return Located(list(reply.tiers), pin=pinned)
-        first = next(j for j, (i, _) in enumerate(flat) if i == len(reply.tiers))
-        return Located(list(reply.tiers), reply.partial - first, reply.partial_tier, pinned)
+            return None
+        replies = reply.chains if isinstance(reply, p.LookupGroupsReply) else [reply]
+        if len(replies) != len(chains):  # not this protocol's server: nothing found
+            log.warning("%s answered a lookup of %d chains with %d", self.url, len(chains), len(replies))
+            return None
+        return [_located(answer, spans, partials, arena, session) for answer, (spans, partials) in zip(replies, chains)]
 
     def pinned(self, pin: Pin, keys: Sequence[bytes]) -> list[Lease] | None:
         """Views of the pinned objects in this client's mapping of the arena: no call."""

@@ -4,6 +4,7 @@ it lives in this process (``TieredStore``) or behind a socket (``KvtierClient``)
 Its methods name the two-phase life of data, so that no caller can forget a phase:
 
     find      locate(spans, partials)           the longest cached prefix of a key chain
+              locate_groups(chains)             of several chains (a model's groups), in one call
     read      acquire(keys) ... release(leases) objects held while the caller reads them
     write     reserve(items) ... commit(slots)  a slot per object, filled by the caller, then
               (or abort(slots))                 made visible; an aborted slot was never seen
@@ -97,6 +98,11 @@ class KeyStore(Protocol):
         first of ``partials[i]`` (shorter prefixes of chunk i, longest first) that is cached.
         ``pin``: a store in another process may also lease the objects of the hit it holds in
         shared memory (``Located.pin``); hand the pin to ``pinned`` or ``unpin``."""
+
+    def locate_groups(self, chains: Sequence[tuple[Sequence[ChunkSpan], Sequence[Sequence[ChunkSpan]]]],
+                      pin: bool = False) -> list[Located]:
+        """``locate`` of each (spans, partials) chain (one per KV-cache group of a model), in one
+        round trip to a server."""
 
     def acquire(self, keys: Sequence[bytes], checksum: bool = False) -> list[Lease]:
         """Leases on the objects of the longest contiguous cached prefix of ``keys``; with

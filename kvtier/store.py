@@ -118,6 +118,10 @@ class TieredStore:
                 return Located(tiers, index, where[0])
         return Located(tiers)
 
+    def locate_groups(self, chains: Sequence[tuple[Sequence[ChunkSpan], Sequence[Sequence[ChunkSpan]]]],
+                      pin: bool = False) -> list[Located]:
+        return [self.locate(spans, partials, pin) for spans, partials in chains]
+
     def _locate(self, keys: Sequence[bytes]) -> list[str]:
         """For the longest contiguous cached prefix of ``keys``: the highest tier holding each."""
         where: list[str | None] = [self.l1.name if hit else None for hit in self.l1.contains(keys)]

@@ -18,10 +18,12 @@ from kvtier.paged.planner import RequestState
 BLOCK, CHUNK = 16, 64
 
 
-def _engine(tp_size: int) -> EngineLayout:
-    layout = KVLayout(2, 2, 32, "float32", block_size=BLOCK, tp_size=tp_size, arrangement="test-lookups")
-    group = GroupLayout(0, FullAttention(), ("layer0", "layer1"), (BLOCK * layout.bytes_per_token // 2,), layout)
-    return EngineLayout("tiny", "", (group,), BLOCK, tp_size, layout.arrangement)
+def _engine(tp_size: int, groups: int = 1) -> EngineLayout:
+    layouts = [KVLayout(2, 2, 32, "float32", block_size=BLOCK, tp_size=tp_size, group=f"kv{g}" if g else "kv",
+                        arrangement="test-lookups") for g in range(groups)]  # each group's keys its own
+    return EngineLayout("tiny", "", tuple(GroupLayout(g, FullAttention(), (f"layer{2 * g}", f"layer{2 * g + 1}"),
+                                                      (BLOCK * layout.bytes_per_token // 2,), layout)
+                                          for g, layout in enumerate(layouts)), BLOCK, tp_size, "test-lookups")
 
 
 class FakeKeyStore:
@@ -32,6 +34,7 @@ class FakeKeyStore:
     def __init__(self) -> None:
         self.keys: set[bytes] = set()
         self.pins = 0
+        self.calls = 0  # locate_groups: round trips, were it a server
         self.unpinned: list[str] = []
 
     def locate(self, spans, partials=(), pin=False) -> Located:
@@ -40,6 +43,10 @@ class FakeKeyStore:
             found += 1
         self.pins += 1
         return Located(["memory"] * found, pin=f"pin{self.pins}" if pin and found else None)
+
+    def locate_groups(self, chains, pin=False) -> list[Located]:
+        self.calls += 1
+        return [self.locate(spans, partials, pin) for spans, partials in chains]
 
     def unpin(self, pin) -> None:
         self.unpinned.append(pin)
@@ -77,3 +84,17 @@ def test_the_hit_is_the_longest_prefix_every_rank_holds_and_a_voided_rounds_pins
 def test_nothing_held_is_no_hit():
     found = PromptLookup(_engine(1), TokenCache(FakeKeyStore())).find(_state(2 * CHUNK), CHUNK)
     assert (found.hit, found.tiers, found.pins) == (0, [], [[None]])
+
+
+def test_a_lookup_of_a_model_with_several_groups_is_one_call_per_rank():
+    """Every group's chain in one ``locate_groups`` (one round trip to a server), not a locate
+    per group; the hit is where every group's chain holds."""
+    store = FakeKeyStore()
+    lookup = PromptLookup(_engine(2, groups=3), TokenCache(store))
+    state = _state(3 * CHUNK)
+    keys = lookup.keys(state, CHUNK)
+    assert len({rank[g].spans[0].key for rank in keys for g in range(3)}) == 6
+    store.keys = {s.key for rank in keys for g, group in enumerate(rank) for s in group.spans[: 3 - g]}
+    found = lookup.find(state, CHUNK)
+    assert store.calls == 2, "one call per TP rank"
+    assert found.hit == CHUNK and [[len(spans) for spans in rank] for rank in found.spans] == [[1, 1, 1], [1, 1, 1]]

@@ -96,11 +96,11 @@ def encoded_garbage():
         lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
         max_leaves=12,
     )
-    ops = st.sampled_from(["hello", "ping", "lookup", "reserve", "commit", "abort", "put", "retrieve", "release",
-                           "clear", "status", "nope", ""])
+    ops = st.sampled_from(["hello", "ping", "lookup", "lookup_groups", "reserve", "commit", "abort", "put", "retrieve",
+                           "release", "clear", "status", "nope", ""])
     message = st.fixed_dictionaries(
         {"op": ops},
-        optional={"v": st.integers(-5, 10**12) | st.text(max_size=3), "keys": values, "sizes": values,
+        optional={"v": st.integers(-5, 10**12) | st.text(max_size=3), "keys": values, "sizes": values, "chains": values,
                   "slots": values, "lease": values, "inline": values, "arena": values, "tokens": values},
     )
     return st.one_of(st.binary(max_size=200), values.map(msgspec.msgpack.encode), message.map(msgspec.msgpack.encode))
@@ -811,3 +811,55 @@ def test_the_front_thread_answers_lookups_wherever_every_tier_indexes_in_memory(
     assert service.answers_from_memory("lookup") is lookup
     assert service.answers_from_memory("retrieve") is retrieve
     assert service.answers_from_memory("commit") and not service.answers_from_memory("put")
+
+
+def test_a_lookup_of_several_groups_answers_each_chain_as_its_own_lookup_in_one_round_trip():
+    """``LookupGroups``: a model's KV-cache groups looked up together (their keys differ). Each
+    chain's answer (tiers, partial, pin) is what a lookup of it alone gets; it is one request
+    to the server; a bad chain is refused whole and gives back what the chains before it pinned;
+    a chain never names a session, ``done`` handles or a pin of its own."""
+    server = start_server()
+    try:
+        client = KvtierClient(url_of(server), timeout_s=5)
+        cache = TokenCache(client)
+        held, partial, missing = tokens(70_000, 48), tokens(71_000, 40), tokens(72_000, 32)
+        assert cache.store(NS, held, fill_for(held)) == 3 and cache.store(NS, partial[:24], fill_for(partial[:24])) == 2
+        chains = []
+        for toks in (held, partial, missing):
+            spans = cache.spans(NS, toks)
+            candidates = [[s for s in cache.spans(NS, toks[: spans[i].start + 8])[i:]] if i < len(spans) else []
+                          for i in range(len(spans))]
+            chains.append((spans, candidates))
+        alone = [client.locate(spans, partials) for spans, partials in chains]
+        requests = server.metrics.requests.labels("lookup_groups")._value.get()
+        together = client.locate_groups(chains)
+        assert server.metrics.requests.labels("lookup_groups")._value.get() == requests + 1
+        answers = [[(g.tiers, g.partial, g.partial_tier) for g in located] for located in (together, alone)]
+        assert answers[0] == answers[1]
+        assert [len(g.tiers) for g in together] == [3, 1, 0] and together[1].partial == 0  # a partial chunk of 8 found
+        results = cache.lookup_groups(chains)
+        assert [r.hit_tokens for r in results] == [48, 24, 0]
+        # pins: one lease per chain that hit, each given back on its own
+        before = server.service.status()["leases_and_reservations"]
+        pinned = client.locate_groups(chains, pin=True)
+        assert [g.pin is not None for g in pinned] == [True, True, False]
+        assert server.service.status()["leases_and_reservations"] == before + 2
+        for g in pinned[:2]:
+            client.unpin(g.pin)
+        client.ping()
+        assert server.service.status()["leases_and_reservations"] == before
+        # a bad chain after a good one: refused, the good one's pin given back
+        good = p.Lookup(keys=[s.key for s in chains[0][0]], ends=[s.end for s in chains[0][0]])
+        bad = p.Lookup(keys=[chains[1][0][0].key], ends=[16, 32])
+        with pytest.raises(Unavailable, match="differ in length"):
+            client._call(lambda: p.LookupGroups(chains=[good, bad], pin=True, arena=client._arena_id))
+        assert server.service.status()["leases_and_reservations"] == before
+        for own in (dict(session=b"x" * 16), dict(done=[1]), dict(pin=True)):
+            with pytest.raises(Unavailable, match="names its own"):
+                client._call(p.LookupGroups(chains=[msgspec.structs.replace(good, **own)]))
+        with pytest.raises(Unavailable, match="bad-request"):
+            client._call(p.LookupGroups(chains=[good] * (p.MAX_GROUPS + 1)))
+        assert cache.lookup_groups([([], []), chains[0]])[1].hit_tokens == 48  # an empty chain asks nothing
+        client.close()
+    finally:
+        server.stop()

@@ -105,6 +105,9 @@ class _PinningKeyStore:
         hit = spans[: self.held]
         return Located(["L1"] * len(hit), pin=Pin(next(self._leases), b"arena", {s.key: (0, 1) for s in hit}, time.monotonic()))
 
+    def locate_groups(self, chains, pin=False) -> list[Located]:
+        return [self.locate(spans, partials, pin) for spans, partials in chains]
+
     def unpin(self, pin: Pin) -> None:
         self.released.add(pin.lease)
 

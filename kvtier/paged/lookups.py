@@ -39,9 +39,9 @@ class PromptLookup:
     def find(self, state: RequestState, chunk: int) -> Found:
         """What the cache holds of the request's prompt in chunks of ``chunk`` tokens: the
         tokens hit on every TP rank and group, the tier of each chunk, the objects each rank and
-        group hit, the pins of each rank and group's lookup. One ``locate`` per rank and group,
-        partial-chunk candidates included; ranks are asked again with a lower limit until they
-        agree (they differ only after evictions)."""
+        group hit, the pins of each rank and group's lookup. One round trip per rank for all its
+        attention groups (``locate_groups``), partial-chunk candidates included; ranks are asked
+        again with a lower limit until they agree (they differ only after evictions)."""
         keys = self.keys(state, chunk)
         prompt_len = limit = len(state.tokens)
         while True:
@@ -56,11 +56,9 @@ class PromptLookup:
     def _lookup_rank(self, keys: list[PrefixKeys], prompt_len: int, limit: int
                      ) -> tuple[int, list[str], list[list[ChunkSpan]], list[Pin | None]]:
         groups = self.engine.groups
-        attention = {
-            g: self.cache.lookup_spans(keys[g].spans, keys[g].partials, pin=True)
-            for g, group in enumerate(groups)
-            if not group.kind.keeps_state
-        }
+        asked = [g for g, group in enumerate(groups) if not group.kind.keeps_state]
+        chains = [(keys[g].spans, keys[g].partials) for g in asked]
+        attention = dict(zip(asked, self.cache.lookup_groups(chains, pin=True)))
 
         def find_state(g: int, candidates: list[ChunkSpan]) -> int:
             return self.cache.key_store.locate([], [candidates]).partial

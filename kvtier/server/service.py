@@ -60,7 +60,7 @@ _MEMORY_OPS = frozenset({"hello", "ping", "reserve", "commit", "abort", "release
 #: ... a lookup too where every tier answers ``contains`` from an index in memory (memory, disk:
 #: ``Medium.quick_contains``; a remote tier's answer is a network round trip), and a retrieve
 #: where every tier is in memory (otherwise it may read a disk or a network).
-_LOOKUP = "lookup"
+_LOOKUPS = frozenset({"lookup", "lookup_groups"})
 _RETRIEVE = "retrieve"
 #: Requests that need no session (a hello opens one).
 _OPEN_OPS = frozenset({"hello", "ping"})
@@ -105,6 +105,7 @@ class CacheService:
             p.Hello: self._hello,
             p.Ping: self._ping,
             p.Lookup: self._lookup,
+            p.LookupGroups: self._lookup_groups,
             p.Reserve: self._reserve,
             p.Commit: self._commit,
             p.Abort: self._abort,
@@ -121,7 +122,7 @@ class CacheService:
     def answers_from_memory(self, op: str) -> bool:
         """Whether a request of this ``op`` never waits on a disk or a network (the front thread
         may answer it in place)."""
-        return (op in _MEMORY_OPS or (op == _LOOKUP and self._quick_lookups)
+        return (op in _MEMORY_OPS or (op in _LOOKUPS and self._quick_lookups)
                 or (op == _RETRIEVE and self._memory_only))
 
     def handle(self, frames: list) -> Response:
@@ -259,6 +260,22 @@ class CacheService:
         return self._reply(p.Pong())
 
     def _lookup(self, request: p.Lookup, frames: list) -> Response:
+        return self._reply(self._locate(request, request.pin, request.arena, request.session))
+
+    def _lookup_groups(self, request: p.LookupGroups, frames: list) -> Response:
+        if any(chain.done or chain.session or chain.pin for chain in request.chains):
+            raise BadRequest("lookup_groups: a chain names its own done, session or pin")
+        replies: list[p.LookupReply] = []
+        try:
+            for chain in request.chains:
+                replies.append(self._locate(chain, request.pin, request.arena, request.session))
+        except BadRequest:  # the pins of the chains before the bad one go back now
+            self._give_back([reply.lease for reply in replies if reply.lease], request.session)
+            raise
+        return self._reply(p.LookupGroupsReply(chains=replies))
+
+    def _locate(self, request: p.Lookup, pin: bool, arena: bytes, session: bytes) -> p.LookupReply:
+        """One chain's ``LookupReply``, its objects the arena holds leased to ``session`` with ``pin``."""
         keys, ends = request.keys, request.ends or [0] * len(request.keys)
         partial_ends = request.partial_ends or [0] * len(request.partials)
         if len(ends) != len(keys) or not len(request.partials) == len(request.partial_at) == len(partial_ends):
@@ -289,14 +306,14 @@ class CacheService:
             if partial >= 0:
                 self.metrics.hit_tokens.labels(located.partial_tier).inc(partials[len(hit)][located.partial].num_tokens)
         reply = p.LookupReply(tiers=located.tiers, partial=partial, partial_tier=located.partial_tier)
-        if request.pin and self.arena.path is not None and not self._stale(request.arena):
+        if pin and self.arena.path is not None and not self._stale(arena):
             keys = [span.key for span in hit] + ([request.partials[partial]] if partial >= 0 else [])
             leases = self.store.lease_resident(keys) if keys else []
             if leases:
-                ident = self._hold(_Held(self._deadline(), request.session, leases=leases))
+                ident = self._hold(_Held(self._deadline(), session, leases=leases))
                 reply = msgspec.structs.replace(reply, lease=ident, offsets=[lease.offset for lease in leases],
                                                 sizes=[len(lease.view) for lease in leases])
-        return self._reply(reply)
+        return reply
 
     def _stale(self, arena: bytes) -> bool:
         return arena != self.arena.nonce[: p.ARENA_ID_SIZE]

@@ -47,7 +47,7 @@ import msgspec
 from kvtier.events import MAX_RECORD_BYTES, CacheEvent
 from kvtier.schema import TenantName
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 #: Shared-memory requests name the arena they mean by this many bytes of its nonce, so a client
 #: still mapping the arena of a server that has since restarted is refused ("stale-arena"),
 #: never handed offsets into memory that now means something else.
@@ -56,6 +56,8 @@ ARENA_ID_SIZE = 8
 #: Upper bounds a server enforces on any request, whatever the client says.
 MAX_KEYS = 65536
 MAX_OBJECT_BYTES = 1 << 34
+#: Key chains one ``LookupGroups`` may name (one per KV-cache group of a model).
+MAX_GROUPS = 256
 
 Keys = Annotated[list[Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]], msgspec.Meta(max_length=MAX_KEYS)]
 Ids = Annotated[list[int], msgspec.Meta(max_length=MAX_KEYS)]
@@ -101,6 +103,16 @@ class Lookup(_Request, tag="lookup"):
     partial_ends: Positions = []
     pin: bool = False  # also lease the hit's objects the arena holds now, for the load that follows
     arena: bytes = b""  # with pin: the client's arena id (no pin in another arena)
+
+
+class LookupGroups(_Request, tag="lookup_groups"):
+    """A ``Lookup`` of each of several key chains in one round trip: one per KV-cache group of a
+    model (their prompt is the same, their keys are not). ``pin`` and ``arena`` hold for every
+    chain; a chain's own ``done``, ``session`` and ``pin`` stay unset."""
+
+    chains: Annotated[list[Lookup], msgspec.Meta(max_length=MAX_GROUPS)] = []
+    pin: bool = False
+    arena: bytes = b""
 
 
 class Reserve(_Request, tag="reserve"):
@@ -171,7 +183,9 @@ class TakeEvents(_Request, tag="events"):
     taker; the store keeps a bounded backlog)."""
 
 
-Request = Union[Hello, Ping, Lookup, Reserve, Commit, Abort, Put, Retrieve, Release, Clear, Status, TakeEvents]
+Request = Union[
+    Hello, Ping, Lookup, LookupGroups, Reserve, Commit, Abort, Put, Retrieve, Release, Clear, Status, TakeEvents,
+]
 
 
 class _Reply(msgspec.Struct, tag_field="op", frozen=True):
@@ -204,6 +218,12 @@ class LookupReply(_Reply, tag="lookup"):
     lease: int = 0
     offsets: list[int] = []
     sizes: list[int] = []
+
+
+class LookupGroupsReply(_Reply, tag="lookup_groups"):
+    """A ``LookupReply`` per chain, in order, each with its own lease."""
+
+    chains: list[LookupReply]
 
 
 SlotState = Literal["slot", "cached", "full"]
@@ -266,7 +286,7 @@ class Error(_Reply, tag="error"):
 
 
 Reply = Union[
-    HelloReply, Pong, LookupReply, ReserveReply, CommitReply, AbortReply, PutReply, RetrieveReply,
+    HelloReply, Pong, LookupReply, LookupGroupsReply, ReserveReply, CommitReply, AbortReply, PutReply, RetrieveReply,
     ReleaseReply, ClearReply, StatusReply, EventsReply, Error,
 ]
 
