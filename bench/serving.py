@@ -29,8 +29,9 @@ alike. Figures per scenario: throughput (req/s, output tok/s), TTFT p50/p90/p99 
 vLLM's client reports them, prompt tokens by source as vLLM counts them (computed; vLLM hit = its
 own cache; loaded = from the connector), the mean of vLLM's running and waiting gauges (read every
 100 ms), and where a request's time went (``PHASES``: vLLM's queue time, from arrival to its first
-step, which holds an asynchronous load; its prefill time, from there to the first token; and
-kvtier's lookups and loads, per job). Per concurrency, medians over repeats with their spread:
+step, which holds an asynchronous load; its prefill time, from there to the first token; its
+decode time; and kvtier's lookups and loads, per job), and ``COUNTS`` (vLLM's preemptions and
+engine steps among them). Per concurrency, medians over repeats with their spread:
 
     gap_closed_throughput     (kvtier - alone) / (floor - alone) on req/s   (target >= 0.9)
     gap_closed_ttft_p50       the same on p50 TTFT
@@ -220,6 +221,7 @@ PHASES = {
     "ttft": ("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"),
     "queued": ("vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count"),
     "prefill": ("vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count"),
+    "decode": ("vllm:request_decode_time_seconds_sum", "vllm:request_decode_time_seconds_count"),
     "lookup": ("vllm:kvtier_lookup_seconds_total", "vllm:kvtier_lookups_total"),
     "async_load": ("vllm:kvtier_async_load_seconds_total", "vllm:kvtier_async_loads_total"),
     "sync_load": ("vllm:kvtier_load_seconds_total", None),
@@ -228,13 +230,16 @@ PHASES = {
 }
 
 
-#: Lookups answered "not yet" (the prompt's next chunk was being saved): each costs its request a step.
-DEFERRED = "vllm:kvtier_deferred_lookups_total"
+#: Counts over a run, by name: lookups answered "not yet" (the prompt's next chunk was being saved:
+#: each costs its request a step), vLLM's preemptions (a request put back for want of blocks,
+#: computed or loaded again), its engine steps and the tokens they scheduled.
+COUNTS = {"deferred_lookups": "vllm:kvtier_deferred_lookups_total", "preemptions": "vllm:num_preemptions_total",
+          "steps": "vllm:iteration_tokens_total_count", "step_tokens": "vllm:iteration_tokens_total_sum"}
 
 
 def metric_totals(url: str) -> dict[str, float]:
     """The samples ``PHASES`` names, summed over their labels."""
-    wanted = {name for pair in PHASES.values() for name in pair if name} | {"vllm:kvtier_loads_total", DEFERRED}
+    wanted = {name for pair in PHASES.values() for name in pair if name} | {"vllm:kvtier_loads_total", *COUNTS.values()}
     out: dict[str, float] = {}
     for sample in fetch_metrics(url):
         if sample.name in wanted:
@@ -253,8 +258,9 @@ def phases(after: dict[str, float], before: dict[str, float]) -> dict[str, float
         if n > 0:
             out[f"{phase}_ms"] = round(1000 * change.get(total, 0.0) / n, 1)
             out[f"{phase}_n"] = int(n)
-    if change.get(DEFERRED):
-        out["deferred_lookups"] = int(change[DEFERRED])
+    for name, metric in COUNTS.items():
+        if change.get(metric):
+            out[name] = int(change[metric])
     return out
 
 
@@ -580,8 +586,7 @@ def _summarise(args, runs: dict[int, dict[str, list[dict]]], check: dict, capped
             shown = ", ".join(f"{phase} {ms} ms" + (f" (x{n})" if phase not in ("ttft", "queued", "prefill") else "")
                               for phase in PHASES if (ms := rs[-1]["phases"].get(f"{phase}_ms")) is not None
                               and (n := rs[-1]["phases"][f"{phase}_n"]))
-            if "deferred_lookups" in rs[-1]["phases"]:
-                shown += f", {rs[-1]['phases']['deferred_lookups']} lookups deferred"
+            shown += "".join(f", {name.replace('_', ' ')} {rs[-1]['phases'][name]}" for name in COUNTS if name in rs[-1]["phases"])
             print(f"     {name:<8} mean of the last repeat: {shown}")
         c = per_conc[concurrency] = _per_concurrency(scenarios)
         print(f"     medians: gap closed: throughput {c['gap_closed_throughput']} ({c['spread']['gap_closed_throughput']}),"

@@ -80,6 +80,9 @@ def test_phases_are_means_over_the_requests_or_jobs_of_one_run():
     assert got["queued_ms"] == 1000.0 and got["queued_n"] == 3
     assert got["sync_load_ms"] == 100.0 and got["sync_load_n"] == 4  # 5 loads, 1 of them asynchronous
     assert "lookup_ms" not in got  # no lookup in the run: no mean
+    counted = serving.phases({**after, "vllm:num_preemptions_total": 3, "vllm:iteration_tokens_total_count": 40},
+                             {**before, "vllm:num_preemptions_total": 1, "vllm:iteration_tokens_total_count": 10})
+    assert (counted["preemptions"], counted["steps"]) == (2, 30) and "deferred_lookups" not in counted
 
 
 def test_the_queue_sampler_reads_vllms_labelled_gauges():
