@@ -710,7 +710,7 @@ def measure(args) -> dict:
     }
     for entry in sweep_table.values():
         entry["cold_over_warm"] = entry["cold_s"] / entry["warm_s"]
-    load_calls = sum(pass2_requests.get(op, 0) for op in ("lookup", "retrieve", "release"))
+    load_calls = sum(pass2_requests.get(op, 0) for op in ("lookup", "lookup_groups", "retrieve", "release"))
     save_calls = sum(pass2_requests.get(op, 0) for op in ("reserve", "commit", "abort", "put"))
     own_hit_hashes = sum(after.get("chunk_hashes", 0) - before.get("chunk_hashes", 0) for before, after in own_hit_stats)
     hashes = snapshots[2].get("chunk_hashes", 0) - snapshots[1].get("chunk_hashes", 0) - own_hit_hashes
@@ -719,7 +719,7 @@ def measure(args) -> dict:
         "ttft_ratio_vs_vllm": med(a2) / med(b2),
         "warm_vs_own_hit": med(b2) / med(own_hit),
         "warm_vs_floor": med(b2) / med(floor),
-        "own_hit_lookups": own_hit_requests.get("lookup", 0),
+        "own_hit_lookups": own_hit_requests.get("lookup", 0) + own_hit_requests.get("lookup_groups", 0),
         "warm_vs_full_hit": med(b2) / med(full_hit),
         "fill_overhead": med(b1) / med(a1),
         "miss_overhead": med(b3) / med(a3),

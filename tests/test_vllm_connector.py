@@ -328,7 +328,7 @@ def test_a_warm_request_costs_two_round_trips_and_hashes_each_chunk_once(engines
         time.sleep(0.05)  # the release goes off the engine's path, in a thread
     calls = {op: n - calls_before.get(op, 0) for op, n in _round_trips(server).items()}
     calls = {op: n for op, n in calls.items() if n}
-    assert calls == {"lookup": 1, "release": 1}  # TP 1: one rank
+    assert calls == {"lookup_groups": 1, "release": 1}  # TP 1: one rank, every group in one request
     assert one.stats()["worker"]["pinned_retrieves"] == pinned_before + 1
     chunks = -(-len(PROMPTS["g1"]) // CHUNK)  # 6 whole chunks and the tail
     assert one.stats()["chunk_hashes"] - hashes_before == chunks
