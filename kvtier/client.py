@@ -371,7 +371,7 @@ class KvtierClient:
     def locate(self, spans: Sequence[ChunkSpan], partials: Sequence[Sequence[ChunkSpan]] = (), pin: bool = False) -> Located:
         request = lambda: p.Lookup(**_chain(spans, partials), pin=pin and self._arena is not None,  # noqa: E731
                                    arena=self._arena_id if pin else b"")
-        located = self._located(request, [(spans, partials)])
+        located = self._ask_locate(request, [(spans, partials)])
         return located[0] if located else Located()
 
     def locate_groups(self, chains: Sequence[tuple[Sequence[ChunkSpan], Sequence[Sequence[ChunkSpan]]]],
@@ -380,9 +380,9 @@ class KvtierClient:
         request = lambda: p.LookupGroups(  # noqa: E731
             chains=[p.Lookup(**_chain(spans, partials)) for spans, partials in chains],
             pin=pin and self._arena is not None, arena=self._arena_id if pin else b"")
-        return self._located(request, chains) or [Located() for _ in chains]
+        return self._ask_locate(request, chains) or [Located() for _ in chains]
 
-    def _located(self, request, chains) -> list[Located] | None:
+    def _ask_locate(self, request, chains) -> list[Located] | None:
         """The ``Located`` of each chain from the reply to ``request`` (None: no reply)."""
         try:
             with self._lock:  # the arena a pin is in, and the session holding it: those of this call

@@ -269,7 +269,7 @@ class CacheService:
         try:
             for chain in request.chains:
                 replies.append(self._locate(chain, request.pin, request.arena, request.session))
-        except BadRequest:  # the pins of the chains before the bad one go back now
+        except Exception:  # a bad chain (or a failure): the pins of the chains before it go back now
             self._give_back([reply.lease for reply in replies if reply.lease], request.session)
             raise
         return self._reply(p.LookupGroupsReply(chains=replies))
