@@ -859,6 +859,9 @@ def test_a_lookup_of_several_groups_answers_each_chain_as_its_own_lookup_in_one_
                 client._call(p.LookupGroups(chains=[msgspec.structs.replace(good, **own)]))
         with pytest.raises(Unavailable, match="bad-request"):
             client._call(p.LookupGroups(chains=[good] * (p.MAX_GROUPS + 1)))
+        many = p.Lookup(keys=[bytes([i % 256, i // 256]) * 16 for i in range(p.MAX_KEYS)])
+        with pytest.raises(Unavailable, match="at most"):  # the front thread's work: one lookup's at most
+            client._call(p.LookupGroups(chains=[many] * 3))
         assert cache.lookup_groups([([], []), chains[0]])[1].hit_tokens == 48  # an empty chain asks nothing
         client.close()
     finally:

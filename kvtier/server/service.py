@@ -265,6 +265,9 @@ class CacheService:
     def _lookup_groups(self, request: p.LookupGroups, frames: list) -> Response:
         if any(chain.done or chain.session or chain.pin for chain in request.chains):
             raise BadRequest("lookup_groups: a chain names its own done, session or pin")
+        keys = sum(len(chain.keys) + len(chain.partials) for chain in request.chains)
+        if keys > 2 * p.MAX_KEYS:
+            raise BadRequest(f"lookup_groups: {keys} keys and partials over its chains; at most {2 * p.MAX_KEYS}, as one lookup")
         replies: list[p.LookupReply] = []
         try:
             for chain in request.chains:

@@ -56,7 +56,8 @@ ARENA_ID_SIZE = 8
 #: Upper bounds a server enforces on any request, whatever the client says.
 MAX_KEYS = 65536
 MAX_OBJECT_BYTES = 1 << 34
-#: Key chains one ``LookupGroups`` may name (one per KV-cache group of a model).
+#: Key chains one ``LookupGroups`` may name (one per KV-cache group of a model); together they may
+#: carry no more keys and partials than one ``Lookup`` (the front thread answers either in place).
 MAX_GROUPS = 256
 
 Keys = Annotated[list[Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]], msgspec.Meta(max_length=MAX_KEYS)]
