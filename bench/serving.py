@@ -37,6 +37,8 @@ engine steps among them). Per concurrency, medians over repeats with their sprea
     gap_closed_ttft_p50       the same on p50 TTFT
     kvtier_ttft_p50_vs_floor  kvtier's p50 TTFT / the floor's   (target <= 1.5 up to 8, <= 2 above)
     vs_lmcache_ttft_p50       kvtier's p50 TTFT / LMCache's      (target <= 0.5, where LMCache ran)
+    floor_vs_lmcache_ttft_p50 the floor's p50 TTFT / LMCache's: the best vs_lmcache_ttft_p50 a cache
+                              can reach (above 0.5, that bar asks kvtier to beat the floor)
 
 ``outputs_identical``: every text kvtier's run generated equals vLLM alone's, and on a check subset
 (one prompt per prefix, asked one at a time after vLLM's own cache was reset, so kvtier's answer is
@@ -540,6 +542,7 @@ def _per_concurrency(scenarios: dict[str, list[dict]]) -> dict:
     }
     if "lmcache" in scenarios:
         out["vs_lmcache_ttft_p50"] = round(k["ttft_p50_ms"] / med["lmcache"]["ttft_p50_ms"], 3)
+        out["floor_vs_lmcache_ttft_p50"] = round(f["ttft_p50_ms"] / med["lmcache"]["ttft_p50_ms"], 3)
         out["spread"]["vs_lmcache_ttft_p50"] = _spread(
             [kr["ttft_p50_ms"] / lr["ttft_p50_ms"] for kr, lr in zip(scenarios["kvtier"], scenarios["lmcache"])])
         out["lmcache_texts_identical"] = all(lr["texts"] == ar["texts"] for ar, lr in zip(scenarios["alone"], scenarios["lmcache"]))
@@ -592,10 +595,11 @@ def _summarise(args, runs: dict[int, dict[str, list[dict]]], check: dict, capped
         print(f"     medians: gap closed: throughput {c['gap_closed_throughput']} ({c['spread']['gap_closed_throughput']}),"
               f" TTFT p50 {c['gap_closed_ttft_p50']}; kvtier TTFT p50 / floor's {c['kvtier_ttft_p50_vs_floor']}"
               f" ({c['spread']['kvtier_ttft_p50_vs_floor']}), of the hits {c['kvtier_hit_ttft_p50_vs_floor']}"
-              + (f"; / LMCache's {c['vs_lmcache_ttft_p50']} ({c['spread']['vs_lmcache_ttft_p50']})" if "vs_lmcache_ttft_p50" in c else "")
+              + (f"; / LMCache's {c['vs_lmcache_ttft_p50']} ({c['spread']['vs_lmcache_ttft_p50']}), the floor's"
+                 f" / LMCache's {c['floor_vs_lmcache_ttft_p50']}" if "vs_lmcache_ttft_p50" in c else "")
               + f"; texts equal to alone's: {c['texts_identical']}")
         for key in ("kvtier_ttft_p50_vs_floor", "kvtier_hit_ttft_p50_vs_floor", "gap_closed_throughput",
-                    "vs_lmcache_ttft_p50"):
+                    "vs_lmcache_ttft_p50", "floor_vs_lmcache_ttft_p50"):
             if key in c:
                 flat[f"{key}@{concurrency}"] = c[key]
     print(f"check subset: {check['prompts']} prompts, {check['loaded_tokens']} prompt tokens loaded from kvtier,"

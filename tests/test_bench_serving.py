@@ -113,6 +113,15 @@ def test_a_concurrencys_figures_are_medians_over_repeats_with_their_spread():
     assert got["spread"]["kvtier_ttft_p50_vs_floor"] == "1.00-1.50" and got["texts_identical"]
     scenarios["kvtier"][1]["texts"] = ["b"]
     assert not serving._per_concurrency(scenarios)["texts_identical"]
+    assert "floor_vs_lmcache_ttft_p50" not in got
+
+
+def test_with_lmcache_the_floors_own_ratio_to_it_says_how_low_vs_lmcache_can_go():
+    def run(p50):
+        return {"req_per_s": 1.0, "ttft_p50_ms": p50, "hit_ttft_p50_ms": p50, "texts": ["a"]}
+    scenarios = {"alone": [run(1000)], "kvtier": [run(300)], "floor": [run(250)], "lmcache": [run(400)]}
+    got = serving._per_concurrency(scenarios)
+    assert (got["vs_lmcache_ttft_p50"], got["floor_vs_lmcache_ttft_p50"]) == (0.75, 0.625)
 
 
 def test_a_hits_ttft_is_the_median_over_requests_whose_prefix_came_before():
