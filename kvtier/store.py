@@ -39,7 +39,9 @@ from kvtier.tiers.write_admission import WriteAdmission
 
 #: How much nicer than its creator the writer thread runs (Linux niceness is per thread): its
 #: checksums, writes and fsyncs below L1 are on no request's path, and on a host whose cores the
-#: engine's steps fill they cost the step that shares a core with them.
+#: engine's steps fill they cost the step that shares a core with them. Niceness ranks threads
+#: within one scheduling group only: a server in its own session (Linux autogroups) or cgroup
+#: competes with an engine as a group, whatever this thread's niceness.
 WRITER_NICENESS = 10
 
 log = logging.getLogger(__name__)
