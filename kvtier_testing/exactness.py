@@ -38,10 +38,3 @@ def mismatch(out: dict, ref: dict, atol: float = LOGPROB_ATOL) -> str | None:
     diff = logprob_diff(out, ref)
     return None if diff <= atol else f"logprobs differ by up to {diff:.3g} (tolerance {atol:g})"
 
-
-def steps(out: dict, first: int, count: int | None = None) -> dict:
-    """Steps ``first`` to ``first + count`` of an output. A prompt that ends with vLLM alone's
-    first generated token, its context loaded, computes that token on vLLM's decode path: its
-    output is exactly vLLM alone's from step 1 on (``steps(alone, 1)``), decode against decode."""
-    end = None if count is None else first + count
-    return {**out, "token_ids": out["token_ids"][first:end], "logprobs": out["logprobs"][first:end]}

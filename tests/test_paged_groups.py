@@ -42,14 +42,13 @@ def _found(keys, chunks: int) -> LookupResult:
 
 def test_each_kind_answers_the_yes_no_questions_its_callers_ask():
     kinds = [FullAttention(), MLA(), SlidingWindow(), ChunkedLocal(), RecurrentState()]
-    answers = {k.name: (k.retention, k.cuttable, k.saves_history, k.same_on_every_rank, k.published, k.keeps_state,
-                        k.partial_prefill_needs_chunking) for k in kinds}
+    answers = {k.name: (k.retention, k.cuttable, k.saves_history, k.same_on_every_rank, k.published, k.keeps_state) for k in kinds}
     assert answers == {
-        "full": ("all", True, True, False, True, False, False),
-        "mla": ("all", True, True, True, True, False, True),
-        "sliding_window": ("window", False, False, False, False, False, False),
-        "chunked_local": ("window", False, False, False, False, False, False),
-        "mamba": ("state", False, False, False, False, True, False),
+        "full": ("all", True, True, False, True, False),
+        "mla": ("all", True, True, True, True, False),
+        "sliding_window": ("window", False, False, False, False, False),
+        "chunked_local": ("window", False, False, False, False, False),
+        "mamba": ("state", False, False, False, False, True),
     }
     assert FullAttention() == FullAttention() != MLA()  # stateless: a kind is its class
     assert {r: RETENTIONS[r].parameter for r in RETENTIONS} == {"all": "", "window": "lookback", "state": "state_bytes"}

@@ -230,8 +230,8 @@ class FakeCosts:
         return {"prefill_us_per_token": 3.0}
 
 
-def _engine(*retentions: str, whole_prompt_loads: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(groups=[SimpleNamespace(kind=RETENTIONS[r]) for r in retentions], whole_prompt_loads=whole_prompt_loads)
+def _engine(*retentions: str) -> SimpleNamespace:
+    return SimpleNamespace(groups=[SimpleNamespace(kind=RETENTIONS[r]) for r in retentions])
 
 
 def test_the_hit_is_cut_where_computing_is_faster_and_a_skipped_tier_is_probed():
@@ -245,10 +245,9 @@ def test_the_hit_is_cut_where_computing_is_faster_and_a_skipped_tier_is_probed()
     assert stats.prefill_us_per_token == 3.0
 
 
-@pytest.mark.parametrize("engine", [_engine("all", "window"), _engine("all", whole_prompt_loads=True)])
-def test_a_hit_is_cut_only_at_chunk_ends_where_a_partial_load_would_break_it(engine):
+def test_a_hit_is_cut_only_at_chunk_ends_where_a_partial_load_would_break_it():
     costs = FakeCosts(end=CHUNK)
-    WorthLoading(costs, engine, SchedulerStats(), lambda *a: None).cut(_ask(_state(), hit=2 * CHUNK), 2 * CHUNK)
+    WorthLoading(costs, _engine("all", "window"), SchedulerStats(), lambda *a: None).cut(_ask(_state(), hit=2 * CHUNK), 2 * CHUNK)
     assert costs.calls[0][2] is False
 
 
@@ -294,13 +293,13 @@ class FakeStore:
         self.released.append(pins)
 
 
-def _planner(store: FakeStore, costs=None, groups: int = 1, whole_prompt_loads: bool = False):
+def _planner(store: FakeStore, costs=None, groups: int = 1):
     stats, clock = SchedulerStats(), Clock()
     saves = SavesInFlight(5.0, 1, clock)
     gates = [LoadFailed(stats), RepeatedAsk(store.unpin), ShortLookupSkip(stats),
              PrefillWait(stats, 1.0, lambda: True), InFlightDedup(stats, saves)]
     planner = Planner(gates, WorthLoading(costs, _engine("all"), stats, lambda *a: None, clock),
-                      SyncOrAsync(groups, 256, True), store.find, store.unpin, stats, whole_prompt_loads, clock)
+                      SyncOrAsync(groups, 256, True), store.find, store.unpin, stats, clock)
     return planner, stats, saves, clock
 
 
@@ -355,13 +354,6 @@ def test_no_load_gives_the_pins_back_at_once():
     state = planner.state("r", _state().request, "tenant")
     assert planner.match(state, 0, 0) == (0, False)
     assert store.released == [[["pin1"]]] and state.lookup.pins == []
-
-
-def test_an_engine_that_loads_whole_prompts_only_computes_a_partial_hit():
-    store = FakeStore(hit=2 * CHUNK)
-    planner, _, _, _ = _planner(store, whole_prompt_loads=True)
-    state = planner.state("r", _state().request, "tenant")
-    assert planner.match(state, 0, 0) == (0, False)
 
 
 def test_an_unknown_chunk_size_loads_nothing():

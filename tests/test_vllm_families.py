@@ -7,14 +7,12 @@ and one after the kvtier server restarted (its disk tier only), each compared wi
 float32 families: greedy tokens identical and logprobs within 1e-3. The GDN family runs in
 bfloat16 only (vLLM's CPU kernels): vLLM alone's own spread is measured first (the same prompts
 with its prefix cache hit and missed, batched and one by one) and kvtier must stay within it.
-MLA: vLLM's CPU rotary op scrambles MLA's queries, so vLLM alone's answers depend on how many
-tokens a step holds (pinned by ``test_vllm_cpu_rotary_op_scrambles_mla_queries``), and kvtier
-loads only hits that leave the last token to compute (chunked prefill is off for MLA there); that
-token takes vLLM's MLA decode path, whose logprobs differ from its prefill path's by up to ~0.5
-on the tiny model. So the reference is vLLM alone's decode path too: its prompt Q (whole blocks)
-generates greedily, and kvtier's warm prompt is Q plus vLLM alone's first token, Q loaded: its
-output must be vLLM alone's from the second token on (the same decode steps), tokens equal and
-logprobs within 1e-3.
+MLA: vLLM's CPU rotary op scrambles MLA's queries, so vLLM's answers depend on how many tokens a
+step holds (pinned by ``test_vllm_cpu_rotary_op_scrambles_mla_queries``): a question prefilled
+after loaded context is not vLLM alone's whole prefill, nor is a prompt that shares its step with
+another. So the reference is vLLM's own ExampleConnector, loading the same context and
+prefilling the same question (its prompts: 512 document tokens and an 8-token question, where it
+loads the document): tokens equal and logprobs within 1e-3 there too.
 The GDN engine under test needs vLLM's prefix caching on (without it vLLM keeps no recurrent
 state at block boundaries: ``mamba_cache_mode`` none), so its own prefix cache is reset before
 every request; every other engine under test runs with it off. Negative controls damage one
@@ -32,7 +30,7 @@ import pytest
 
 from kvtier.objects import read_header
 from kvtier_testing.engine_process import EngineProcess, engine_env, kvtier_transfer_config
-from kvtier_testing.exactness import LOGPROB_ATOL, logprob_diff, mismatch, steps
+from kvtier_testing.exactness import LOGPROB_ATOL, logprob_diff, mismatch
 from kvtier_testing.kv_damage import replace_objects, stored_objects, zeroed
 from kvtier_testing.kvtier_processes import free_port
 from kvtier_testing.tiny_model import FAMILIES, build_tiny_model
@@ -55,9 +53,11 @@ PROMPTS = {f"q{i}": DOC + _tokens(200 + i, 40) for i in range(4)}
 #: A warm request hits the document's chunks (2 x 256); the recurrent state is kept where a step
 #: of the cold prefill ended on a block boundary, which align mode makes 512 here as well.
 WARM_HIT = 512
-#: Families whose warm requests are a cold prompt plus vLLM alone's first token (see the module
-#: docstring): ``name + "+"`` names that prompt
-DECODE_FIRST = ("mla",)
+#: Families whose engine answers depend on how many tokens a step holds (see the module docstring)
+STEP_DEPENDENT = ("mla",)
+#: Their prompts: vLLM's ExampleConnector loads a prompt's whole blocks but its last token, if it
+#: saved just those, so the document's 512 tokens (kvtier's 2 chunks) and an 8-token question
+STEP_DEPENDENT_PROMPTS = {name: DOC[:WARM_HIT] + _tokens(200 + i, 8) for i, name in enumerate(PROMPTS)}
 
 
 @pytest.fixture(scope="module")
@@ -116,18 +116,19 @@ class Run:
         self.server = server
         kwargs = self.family.llm_kwargs
         env = engine_env()
+        self.step_dependent = name in STEP_DEPENDENT
+        own_connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                         "kv_connector_extra_config": {"shared_storage_path": str(workdir / f"{name}-example")}}
         # the GDN engine under test keeps vLLM's prefix caching on (align mode), reset before each request
-        self.alone = EngineProcess(self.path, workdir, enable_prefix_caching=self.bf16, max_model_len=MAX_LEN,
-                                   llm_kwargs=kwargs, env=env, name=f"{name}-alone")
+        self.alone = EngineProcess(self.path, workdir, own_connector if self.step_dependent else None,
+                                   enable_prefix_caching=self.bf16, max_model_len=MAX_LEN, llm_kwargs=kwargs, env=env,
+                                   name=f"{name}-alone")
         connector = kvtier_transfer_config({"kvtier.url": server.url, "kvtier.timeout_s": 1.0})
         self.engine = EngineProcess(self.path, workdir, connector, enable_prefix_caching=self.bf16,
                                     max_model_len=MAX_LEN, llm_kwargs=kwargs, env=env, name=f"{name}-kvtier")
-        self.prompts = dict(PROMPTS)
+        self.prompts = dict(STEP_DEPENDENT_PROMPTS if self.step_dependent else PROMPTS)
         self.reference: dict[str, dict] = {}
         self.spread = 0.0
-        self.decode_first = name in DECODE_FIRST
-        # (prompt, least tokens loaded) of the warm request and of the one after a restart
-        self.warm = [("q1", WARM_HIT), ("q2", WARM_HIT)]
 
     def start(self) -> None:
         self.alone.launch()
@@ -135,26 +136,16 @@ class Run:
         self.alone.wait_ready()
         self.engine.wait_ready()
         names = list(PROMPTS)
-        if self.decode_first:  # whole blocks, so that Q + [g1]'s keys have an object ending at Q's end
-            block = self.alone.kv_cache_groups[0]["block_size"]
-            self.prompts = {n: p[: len(p) // block * block] for n, p in PROMPTS.items()}
         for n in names:
             self.reference[n] = self.ask(self.alone, n)
+        if self.step_dependent:  # the first saved the document; the others loaded it through vLLM's own connector
+            assert [self.reference[n]["num_cached_tokens"] for n in names] == [0] + [WARM_HIT] * 3, self.reference
         if self.bf16:  # vLLM alone's spread: its prefix cache hit, and batched
             hits = [self.alone.generate([self.prompts[n]], max_tokens=NEW_TOKENS, logprobs=5)[0] for n in names]
             batched = self.alone.generate([self.prompts[n] for n in names], max_tokens=NEW_TOKENS, logprobs=5, batch=True)
             assert all(h["num_cached_tokens"] > 0 for h in hits), "vLLM alone's own prefix cache did not hit"
             self.spread = max(logprob_diff(o, self.reference[n]) for n, o in [*zip(names, hits), *zip(names, batched)])
-        if self.decode_first:  # Q + [g1] against vLLM alone's steps from the second on
-            for n in names:
-                self.prompts[f"{n}+"] = self.prompts[n] + self.reference[n]["token_ids"][:1]
-                self.reference[f"{n}+"] = steps(self.reference[n], 1)
-            self.warm = [("q0+", len(self.prompts["q0"]))] * 2
         self.alone.stop()
-
-    def follow_up(self, name: str) -> str:
-        """The prompt a warm request on ``name``'s document asks in the negative control."""
-        return f"{name}+" if self.decode_first else name
 
     def ask(self, engine: EngineProcess, name: str) -> dict:
         if self.bf16:
@@ -167,16 +158,12 @@ class Run:
         """Logprob tolerance: float rounding, or vLLM alone's own spread where it is wider."""
         return max(LOGPROB_ATOL, self.spread)
 
-    def _compared(self, out: dict, name: str) -> tuple[dict, dict]:
-        ref = self.reference[name]  # one step shorter than ``out`` for a Q + [g1] prompt
-        return steps(out, 0, len(ref["token_ids"])), ref
-
     def distance(self, out: dict, name: str) -> float:
         """How far ``out`` is from vLLM alone's answer, over every step (``inf``: tokens differ)."""
-        return logprob_diff(*self._compared(out, name))
+        return logprob_diff(out, self.reference[name])
 
     def check(self, out: dict, name: str, what: str) -> None:
-        problem = mismatch(*self._compared(out, name), self.tolerance)
+        problem = mismatch(out, self.reference[name], self.tolerance)
         assert problem is None, f"{self.name} {what}: {problem} (vLLM alone's spread {self.spread:.3g})"
 
 
@@ -197,20 +184,19 @@ def test_cold_warm_and_after_a_server_restart_match_vllm_alone(run, server):
     assert cold["num_cached_tokens"] == 0, cold
     run.check(cold, "q0", "cold")
     engine.drain()
-    (warm_name, hit), (after_name, after_hit) = run.warm
-    warm = run.ask(engine, warm_name)
-    assert warm["num_cached_tokens"] >= hit, warm
-    run.check(warm, warm_name, "warm")
+    warm = run.ask(engine, "q1")
+    assert warm["num_cached_tokens"] >= WARM_HIT, warm
+    run.check(warm, "q1", "warm")
     engine.drain()
     server.store.flush()
     server.stop()
     server.start()  # same ports and disk directory; the memory tier starts empty
     time.sleep(2.5)  # the engine's client reconnects after its backoff
-    after = run.ask(engine, after_name)
-    assert after["num_cached_tokens"] >= after_hit, after
-    run.check(after, after_name, "after a server restart")
+    after = run.ask(engine, "q2")
+    assert after["num_cached_tokens"] >= WARM_HIT, after
+    run.check(after, "q2", "after a server restart")
     stats = engine.stats()["worker"]
-    assert stats["failed_loads"] == 0 and stats["loaded_tokens"] >= hit + after_hit, stats
+    assert stats["failed_loads"] == 0 and stats["loaded_tokens"] >= 2 * WARM_HIT, stats
     print(f"{run.name}: warm hit {warm['num_cached_tokens']}, after restart {after['num_cached_tokens']},"
           f" vLLM alone's spread {run.spread:.3g}")
     if run.name in NEGATIVE_CONTROLS:
@@ -227,7 +213,7 @@ def _negative_control(run: Run, server: Server) -> None:
     pass. So every group's objects are loaded and used."""
     engine = run.engine
     server.store.clear()  # only this family's objects from here
-    run.ask(engine, "q3")
+    run.ask(engine, "q0")  # its document's, asked below with another question
     engine.drain()
     objects = stored_objects(server.store)
     groups: dict[bytes, set[bytes]] = {}
@@ -235,27 +221,25 @@ def _negative_control(run: Run, server: Server) -> None:
         groups.setdefault(read_header(obj).layout_fingerprint, set()).add(key)
     expected = NEGATIVE_CONTROLS[run.name]
     assert len(groups) == expected, f"{run.name}: objects of {len(groups)} layouts, expected {expected} (one per group)"
-    warm = run.follow_up("q3")
     for victims in [set(), *groups.values()]:
         replace_objects(server.store, {k: zeroed(o) if k in victims else o for k, o in objects.items()})
-        out = run.ask(engine, warm)
+        out = run.ask(engine, "q3")
         engine.drain()
         assert out["num_cached_tokens"] >= WARM_HIT, (len(victims), out)
-        diff = run.distance(out, warm)
+        diff = run.distance(out, "q3")
         print(f"{run.name}: {len(victims)} objects damaged: off by {diff:.3g} (tolerance {run.tolerance:.3g})")
         assert (diff <= run.tolerance) is (not victims), f"{run.name}: {len(victims)} objects of one group damaged; logprobs off by {diff:.3g}"
 
 
 def test_vllm_cpu_rotary_op_scrambles_mla_queries():
-    """Why MLA loads only whole prompts on vLLM's CPU build (``EngineLayout.whole_prompt_loads``):
-    vLLM's CPU rotary op takes the heads of MLA's 3-D query ``[tokens, heads, rope]`` as tokens
-    (the first ``tokens`` (token, head) rows are rotated by ``positions[row]``, the rest not at
-    all), and the key rope view MLA passes (a column slice of the latent row) by the view's
-    stride. So vLLM alone's MLA answers depend on how many tokens a step holds, and a question
-    prefilled after loaded context cannot match them: measured on the tiny MLA family, fp32,
-    2048 tokens loaded and 16 prefilled, logprobs off by 0.01-0.07 and greedy tokens apart,
-    through vLLM's own ExampleConnector as through kvtier. A 2-D query is rotated right. When
-    this test fails, vLLM has fixed its op: lift the restriction."""
+    """Why MLA's reference is vLLM's own ExampleConnector (the module docstring): vLLM's CPU
+    rotary op takes the heads of MLA's 3-D query ``[tokens, heads, rope]`` as tokens (the first
+    ``tokens`` (token, head) rows are rotated by ``positions[row]``, the rest not at all), and the
+    key rope view MLA passes (a column slice of the latent row) by the view's stride. So vLLM's
+    MLA answers depend on how many tokens a step holds: a question prefilled after loaded context
+    (through kvtier, LMCache or vLLM's own connector alike) differs from vLLM alone's whole
+    prefill, as a prompt sharing its step with another does. A 2-D query is rotated right. When
+    this test fails, vLLM has fixed its op: vLLM alone is then the reference for MLA too."""
     import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope

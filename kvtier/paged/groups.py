@@ -77,9 +77,6 @@ class GroupKind:
     saves_history: ClassVar[bool] = False
     #: recurrent state, kept by the engine only where a step ended on a block boundary
     keeps_state: ClassVar[bool] = False
-    #: a prefill after loaded context matches the engine's own only with chunked prefill on
-    #: (MLA on vLLM's CPU build: see ``EngineLayout.whole_prompt_loads``)
-    partial_prefill_needs_chunking: ClassVar[bool] = False
 
     def stored_blocks(self, layout: KVLayout, num_tokens: int) -> range:
         """The blocks of a span of ``num_tokens`` tokens (from a block boundary) its object
@@ -143,7 +140,6 @@ class MLA(EveryToken):
     name = "mla"
     published = True
     same_on_every_rank = True
-    partial_prefill_needs_chunking = True
 
 
 class Window(GroupKind):

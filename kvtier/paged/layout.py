@@ -69,13 +69,6 @@ class EngineLayout:
     block_size: int
     tp_size: int
     arrangement: str
-    #: Load only hits that leave the prompt's last token alone to compute. Set for MLA on vLLM's
-    #: CPU build (chunked prefill off): its rotary op takes the heads of MLA's 3-D query as
-    #: tokens, so every MLA step's answer depends on how many tokens the step holds, and a
-    #: prefill after loaded context differs from vLLM alone's (greedy tokens too; vLLM's own
-    #: ExampleConnector alike). A one-token rest takes the decode path, as vLLM alone's next
-    #: token does, and matches it (tests/test_vllm_families.py pins the rotary op).
-    whole_prompt_loads: bool = False
 
     @property
     def has_state(self) -> bool:

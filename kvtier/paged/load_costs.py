@@ -317,9 +317,9 @@ class LoadOrRecompute:
         ``tiers[i]``, vLLM holding the first ``start`` tokens: the end minimizing load + compute
         (computing charged ``COMPUTE_MARGIN`` times), never before a chunk of a tier ``never_cut``.
         ``partial=False``: only all (``hit``) or nothing (``start``) can be loaded (models whose
-        groups can be restored only at some ends, engines that load whole prompts only); all is
-        then loaded if every tier of the hit is ``never_cut``, else as the estimates say (a fast
-        tier's prefix does not force a slow tier's rest to load)."""
+        groups can be restored only at some ends); all is then loaded if every tier of the hit
+        is ``never_cut``, else as the estimates say (a fast tier's prefix does not force a slow
+        tier's rest to load)."""
         if hit <= start:
             return Cut(hit)
         ends = list(range((start // chunk + 1) * chunk, hit, chunk)) + [hit]

@@ -342,7 +342,7 @@ class WorthLoading:
         found, start = ask.found, ask.num_computed
         if self.costs is None or hit <= start:
             return hit
-        cuttable = all(g.kind.cuttable for g in self.engine.groups) and not self.engine.whole_prompt_loads
+        cuttable = all(g.kind.cuttable for g in self.engine.groups)
         cut = self.costs.cut(found.tiers, found.chunk, start, hit, self.clock(), cuttable)
         self.stats.recomputed_by_tier.update(cut.skipped_tokens)
         self.stats.recomputed_chunks_by_tier.update(cut.skipped_chunks)
@@ -380,7 +380,7 @@ class Planner:
 
     def __init__(self, gates: list[Gate], worth_loading: WorthLoading, sync_or_async: SyncOrAsync,
                  find: Callable[[RequestState], Found | None], unpin: Callable[[Pins], None],
-                 stats: SchedulerStats, whole_prompt_loads: bool,
+                 stats: SchedulerStats,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.gates = gates
         self.worth_loading = worth_loading
@@ -388,7 +388,6 @@ class Planner:
         self.find = find
         self.unpin = unpin
         self.stats = stats
-        self.whole_prompt_loads = whole_prompt_loads  # this engine cannot prefill the rest after loaded context
         self.clock = clock
         self.states: dict[Hashable, RequestState] = {}
         self.running = 0  # requests admitted and not finished
@@ -437,8 +436,6 @@ class Planner:
         self.stats.lookup_tokens += prompt
         self.stats.hit_tokens += found.hit
         hit = found.hit
-        if self.whole_prompt_loads and min(hit, prompt - 1) < prompt - 1:
-            hit = 0
         # past the cut the hit is computed, and stored again: into L1, where the next hit is fast
         hit = self.worth_loading.cut(ask, hit)
         load = max(0, min(hit, prompt - 1) - num_computed)

@@ -174,8 +174,6 @@ def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
         block_size=block_size,
         tp_size=tp_size,
         arrangement=arrangement,
-        whole_prompt_loads=any(g.kind.partial_prefill_needs_chunking for g in layouts)
-        and not vllm_config.scheduler_config.enable_chunked_prefill,
     )
 
 

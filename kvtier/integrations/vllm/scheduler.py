@@ -116,7 +116,7 @@ class KvtierScheduler:
         self.planner = Planner(
             gates, WorthLoading(self.costs, engine, self.stats, self._probe),
             SyncOrAsync(len(engine.groups), config.async_load_min_tokens, config.sync_load_when_alone),
-            self._find, self.lookups.unpin, self.stats, engine.whole_prompt_loads,
+            self._find, self.lookups.unpin, self.stats,
         )
 
     # -- chunk size ----------------------------------------------------------------------------
