@@ -119,7 +119,8 @@ class Run:
         self.step_dependent = name in STEP_DEPENDENT
         own_connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": {"shared_storage_path": str(workdir / f"{name}-example")}}
-        # the GDN engine under test keeps vLLM's prefix caching on (align mode), reset before each request
+        # the reference: vLLM alone, or with its own ExampleConnector (step-dependent families). The
+        # GDN engine under test keeps vLLM's prefix caching on (align mode), reset before each request
         self.alone = EngineProcess(self.path, workdir, own_connector if self.step_dependent else None,
                                    enable_prefix_caching=self.bf16, max_model_len=MAX_LEN, llm_kwargs=kwargs, env=env,
                                    name=f"{name}-alone")
