@@ -139,10 +139,6 @@ SLOW_REMOTE_TARGETS = {
     "slow_remote_off_vs_vllm": Target(">=", 1.5, "OFF / A, median: the slow tier must matter"),
     "slow_remote_outputs_ok": Target("==", True, "ON's and OFF's tokens equal A's, logprobs within 1e-3"),
 }
-#: Families whose answers on vLLM's CPU build depend on how many tokens a step holds (MLA: see
-#: docs/vllm.md): a question prefilled after loaded context is not vLLM alone's whole prefill, so
-#: their pass 2 is checked in tests/test_vllm_families.py (against vLLM's own connector), not here
-STEP_DEPENDENT_FAMILIES = ("mla",)
 
 #: Per family in ``--families`` (issue 14): LMCache reaches 6.0x on MLA here, kvtier at least twice that.
 FAMILY_TARGETS = {
@@ -668,11 +664,13 @@ def measure(args) -> dict:
         ("pass 2 (measure)", a2, b2),
         ("pass 3 (never seen)", a3, b3),
     ]
-    compared2 = ([], [], []) if family.name in STEP_DEPENDENT_FAMILIES else (a2, b2, full_hit)
-    identical = all(x["token_ids"] == y["token_ids"] == z["token_ids"] for x, y, z in zip(*compared2)) and all(
+    # a step-dependent family's pass 2 is not vLLM alone's whole prefill: its loads are checked in
+    # tests/test_vllm_families.py, against vLLM's own connector
+    a2c, b2c, full_c = ([], [], []) if family.step_dependent else (a2, b2, full_hit)
+    identical = all(x["token_ids"] == y["token_ids"] == z["token_ids"] for x, y, z in zip(a2c, b2c, full_c)) and all(
         x["token_ids"] == y["token_ids"] for x, y in zip(a1 + a3, b1 + b3))
-    outputs_ok, exactness = _exactness(family.dtype, a1 + compared2[0] + a3, b1 + compared2[1] + b3, a2, full_hit + batched)
-    if not compared2[0]:
+    outputs_ok, exactness = _exactness(family.dtype, a1 + a2c + a3, b1 + b2c + b3, a2, full_hit + batched)
+    if family.step_dependent:
         exactness += "; pass 2 not compared: a step-dependent family (tests/test_vllm_families.py checks its loads)"
 
     def saved(figure: str):

@@ -53,10 +53,10 @@ PROMPTS = {f"q{i}": DOC + _tokens(200 + i, 40) for i in range(4)}
 #: A warm request hits the document's chunks (2 x 256); the recurrent state is kept where a step
 #: of the cold prefill ended on a block boundary, which align mode makes 512 here as well.
 WARM_HIT = 512
-#: Families whose engine answers depend on how many tokens a step holds (see the module docstring)
-STEP_DEPENDENT = ("mla",)
-#: Their prompts: vLLM's ExampleConnector loads a prompt's whole blocks but its last token, if it
-#: saved just those, so the document's 512 tokens (kvtier's 2 chunks) and an 8-token question
+#: The prompts of families whose answers depend on how many tokens a step holds
+#: (``Family.step_dependent``): vLLM's ExampleConnector loads a prompt's whole blocks but its last
+#: token, if it saved just those, so the document's 512 tokens (kvtier's 2 chunks) and an 8-token
+#: question
 STEP_DEPENDENT_PROMPTS = {name: DOC[:WARM_HIT] + _tokens(200 + i, 8) for i, name in enumerate(PROMPTS)}
 
 
@@ -116,7 +116,7 @@ class Run:
         self.server = server
         kwargs = self.family.llm_kwargs
         env = engine_env()
-        self.step_dependent = name in STEP_DEPENDENT
+        self.step_dependent = self.family.step_dependent
         own_connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                          "kv_connector_extra_config": {"shared_storage_path": str(workdir / f"{name}-example")}}
         # the reference: vLLM alone, or with its own ExampleConnector (step-dependent families). The
