@@ -16,7 +16,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.common import KvtierWorkerMetadata
 from kvtier.integrations.vllm.config import parse_extra_config
 from kvtier.paged.jobs import LoadSample
-from kvtier.paged.load_costs import LoadOrRecompute, RobustFit, StepTimer
+from kvtier.paged.load_costs import MAX_SAMPLES, LoadOrRecompute, RobustFit, StepTimer
 
 CHUNK = 256
 #: the engine's prefill: 2 ms a step, 20 us a token, 2 ns per token of context it attends to
@@ -48,6 +48,22 @@ def test_fit_recovers_latency_and_rate():
         fit.add((1.0, tokens), 0.004 + 2e-6 * tokens, now=0.0)
     latency, per_token = fit.coefficients()
     assert latency == pytest.approx(0.004, rel=1e-6) and per_token == pytest.approx(2e-6, rel=1e-6)
+
+
+def test_fit_holds_only_the_newest_samples():
+    """The samples are a ring of MAX_SAMPLES rows: once that many newer ones came, an old cost
+    model leaves no trace (were any of its rows kept, the fit would not be exact)."""
+    fit = RobustFit((1.0, 1024.0), half_life_s=60.0, gap_s=30.0)
+    sizes = (256, 1024, 4096, 512, 2048, 768, 3072, 128)
+    for i in range(MAX_SAMPLES + 5):  # wraps past the ring's end first
+        tokens = sizes[i % len(sizes)]
+        fit.add((1.0, tokens), 0.004 + 2e-6 * tokens, now=0.0)
+    for i in range(MAX_SAMPLES):
+        tokens = sizes[i % len(sizes)]
+        fit.add((1.0, tokens), 0.001 + 5e-6 * tokens, now=0.0)
+    latency, per_token = fit.coefficients()
+    assert latency == pytest.approx(0.001, rel=1e-6) and per_token == pytest.approx(5e-6, rel=1e-6)
+    assert fit.samples == 2 * MAX_SAMPLES + 5
 
 
 def test_fit_never_answers_a_negative_cost():

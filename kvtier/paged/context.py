@@ -57,8 +57,10 @@ class WorkerStats:
     def snapshot(self) -> dict:
         """Every total as it is now (by-label totals copied)."""
         with self._lock:
-            return {f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
-                    for f in fields(self) if f.name != "_lock"}
+            return {name: dict(v) if isinstance(v := getattr(self, name), dict) else v for name in _TOTALS}
+
+
+_TOTALS = tuple(f.name for f in fields(WorkerStats) if f.name != "_lock")  # snapshot runs every step
 
 
 @dataclass

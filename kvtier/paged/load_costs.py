@@ -116,23 +116,30 @@ class RobustFit:
         self.gap_s = gap_s
         self.samples = 0
         self.last = -math.inf  # when the last sample came
-        self._x = np.zeros((0, len(scale)))
-        self._y = np.zeros(0)
-        self._w = np.zeros(0)  # each sample's decay weight as of the last one
+        # the newest MAX_SAMPLES samples in a ring (sample i in row i % MAX_SAMPLES: the fit is
+        # order-free), filled in place: a step's report costs no allocation
+        self._ring_x = np.zeros((MAX_SAMPLES, len(scale)))
+        self._ring_y = np.zeros(MAX_SAMPLES)
+        self._ring_w = np.zeros(MAX_SAMPLES)  # each sample's decay weight as of the last one
         self._coef: list[float] | None = None
         self._rate: float | None = None
         self._start: np.ndarray | None = None  # the last fit (scaled): where the next one starts
 
     @property
     def weight(self) -> float:
-        return float(self._w.sum())
+        return float(self._ring_w.sum())
+
+    def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The samples held (x, y, decay weight), rows in ring order."""
+        n = min(self.samples, MAX_SAMPLES)
+        return self._ring_x[:n], self._ring_y[:n], self._ring_w[:n]
 
     def add(self, x: Sequence[float], y: float, now: float) -> None:
-        decay = self.decay(now)
-        keep = MAX_SAMPLES - 1
-        self._x = np.vstack([self._x[-keep:], np.asarray(x, dtype=float)])
-        self._y = np.append(self._y[-keep:], max(float(y), 0.0))
-        self._w = np.append(self._w[-keep:] * decay, 1.0)
+        self._ring_w *= self.decay(now)
+        row = self.samples % MAX_SAMPLES
+        self._ring_x[row] = x
+        self._ring_y[row] = max(float(y), 0.0)
+        self._ring_w[row] = 1.0
         self.samples += 1
         self.last = now
         self._coef = self._rate = None
@@ -159,13 +166,14 @@ class RobustFit:
         if self.samples < MIN_SAMPLES:
             return None
         if self._rate is None:
-            amount = self._x[:, feature]
-            self._rate = _weighted_median(amount / np.maximum(self._y, 1e-9), self._w * amount)
+            x, y, w = self._held()
+            amount = x[:, feature]
+            self._rate = _weighted_median(amount / np.maximum(y, 1e-9), w * amount)
         return self._rate
 
     def _robust_fit(self) -> np.ndarray:
-        x = self._x / self._scale
-        y, w = self._y, self._w
+        x, y, w = self._held()
+        x = x / self._scale
         floor = max(1e-3 * _weighted_median(y, w), 1e-12)  # no sample weighs more than 1/floor^2
         coef, stages = self._start, ((TUKEY_C, _bisquare),)  # from the last fit: one sample further
         if coef is None or self.samples % HALF_LIFE_SAMPLES == 0 or not (x @ coef > 0).any():
