@@ -169,6 +169,33 @@ def test_pages_are_physical_bytes_so_layouts_never_share_objects():
     assert not all(torch.equal(x, y) for x, y in zip(_logical_blocks(nhd, [3, 4]), _logical_blocks(hnd, [3, 4])))
 
 
+def test_pages_of_several_groups_copy_through_one_payload_and_lock_it_once():
+    """A hybrid model's groups (and the loader's and saver's twins) copy through the same arena
+    and ring: registering a mapping is the process's state, so they share one record of it. On
+    CUDA, a registration the driver refuses (here: the same memory again) must not surface as an
+    error in the next kernel launch; on an H200 it did (every copy after it raised)."""
+    first, _ = LAYOUTS["LBHNC"]()
+    second, _ = LAYOUTS["LBHNC"]()
+    pages_first, pages_second = _paged(first, COPIES[0]), _paged(second, COPIES[0])
+    payload = _payload(pages_first, 4)
+    pages_first.gather([5, 6, 7, 8], payload)
+    pages_first.synchronize()
+    twin = pages_second.twin()  # the loader's copies
+    twin.scatter(payload, 4, 0, [1, 2, 3, 4])
+    twin.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(_logical_blocks(second, [1, 2, 3, 4]), _logical_blocks(first, [5, 6, 7, 8])))
+    if DEVICE.type == "cuda":
+        from kvtier.paged.device_copy import _cudart_register
+
+        assert pages_first._device.page_locks is twin._device.page_locks
+        assert pages_first._device.page_locks.locked_bytes >= len(payload)
+        array = np.frombuffer(payload, dtype=np.uint8)
+        assert not _cudart_register(array.ctypes.data, array.nbytes)  # registered already: refused
+        pages_second.scatter(payload, 4, 0, [9, 10, 11, 12])  # the next launches do not raise it
+        pages_second.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(_logical_blocks(second, [9, 10, 11, 12]), _logical_blocks(first, [5, 6, 7, 8])))
+
+
 def test_block_forms_are_read_from_strides():
     item = DTYPE.itemsize
     page = N * H * D * item
@@ -182,7 +209,7 @@ def test_block_forms_are_read_from_strides():
     form = block_form("l", heads[0], B)
     assert (form.parts, form.part_strides, form.run) == ((H,), (B * N * 2 * D * item,), N * 2 * D * item)
     # the layers of a cross-layer allocation are one view: a copy moves every layer at once
-    assert _paged(cross, True).pages is not None and _paged(heads, True).pages is not None
+    assert _paged(cross, COPIES[0]).pages is not None and _paged(heads, COPIES[0]).pages is not None
 
 
 def test_layouts_kvtier_cannot_read_are_refused():

@@ -56,7 +56,21 @@ class _Locked:
 
 
 def _cudart_register(address: int, size: int) -> bool:
-    return int(torch.cuda.cudart().cudaHostRegister(address, size, _PORTABLE)) == 0
+    if int(torch.cuda.cudart().cudaHostRegister(address, size, _PORTABLE)) == 0:
+        return True
+    _drain_cuda_error()
+    return False
+
+
+def _drain_cuda_error() -> None:
+    """A refused registration stays this thread's last CUDA error, which the next kernel launch
+    in the process (vLLM's own) would raise: a launch of ours takes it (torch binds no
+    ``cudaGetLastError``). Seen on an H200: the second registration of a mapping is refused
+    (cudaErrorHostMemoryAlreadyRegistered) and the next indexed copy raised it."""
+    try:
+        torch.empty(1, device="cuda").zero_()
+    except RuntimeError:  # torch.AcceleratorError: the error taken
+        pass
 
 
 def _cudart_unregister(address: int) -> None:
@@ -129,14 +143,29 @@ class PageLocks:
                 self._release(key)
 
 
+_process_locks: PageLocks | None = None
+_process_locks_mutex = threading.Lock()
+
+
+def process_page_locks() -> PageLocks:
+    """The process's one record of the mappings it registered: registration is the process's
+    state, and a mapping registered a second time is refused. Every group's pages and their
+    twins (loads, saves) copy to and from the same arena and ring."""
+    global _process_locks
+    with _process_locks_mutex:
+        if _process_locks is None:
+            _process_locks = PageLocks()
+        return _process_locks
+
+
 class DeviceCopies:
     """The copies of one device's KV: on CUDA on a stream of their own, between page-locked host
     memory and the device, their completion an event."""
 
-    def __init__(self, device: torch.device, page_locks: PageLocks | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.page_locks = (page_locks or PageLocks()) if self.cuda else None  # shared by twins: a mapping is registered once
+        self.page_locks = process_page_locks() if self.cuda else None
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
             self.engine_stream = torch.cuda.current_stream(device)  # built on the engine's thread

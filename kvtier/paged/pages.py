@@ -276,7 +276,7 @@ class PagedKV:
         thread (its copies wait for the engine's stream)."""
         twin = copy.copy(self)
         if self._device is not None:
-            twin._device = DeviceCopies(self.device, self._device.page_locks)
+            twin._device = DeviceCopies(self.device)
         return twin
 
     def fence(self):
