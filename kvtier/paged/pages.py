@@ -242,6 +242,10 @@ class PagedKV:
                 if self.pages is not None:
                     pages = self.pages[slots]
                     _wide(pages).index_copy_(1, index, _as(copies.to_device(torch.from_numpy(segments[:, first : first + n])), pages))
+                elif self.uniform and (wide := _alike(self.slots[slots])) is not None:  # one transfer, then each layer's blocks
+                    data = _as(copies.to_device(torch.from_numpy(segments[:, first : first + n])), wide[0])
+                    for dst, src in zip(wide, data):
+                        dst.index_copy_(0, index, src)
                 else:
                     for dst, src in zip(self.slots[slots], segments):
                         _wide(dst).index_copy_(0, index, _as(copies.to_device(torch.from_numpy(src[first : first + n])), dst))
@@ -261,6 +265,11 @@ class PagedKV:
                 index = copies.index(block_ids)
                 if self.pages is not None:
                     copies.to_host(_wide(self.pages).index_select(1, index), torch.from_numpy(segments))
+                elif self.uniform and (wide := _alike(self.slots)) is not None:  # each layer's blocks side by side, one transfer
+                    staged = torch.empty((len(wide), len(block_ids), *wide[0].shape[1:]), dtype=wide[0].dtype, device=self.device)
+                    for src, out in zip(wide, staged):
+                        torch.index_select(src, 0, index, out=out)
+                    copies.to_host(staged, torch.from_numpy(segments))
                 else:
                     for out, src in zip(segments, self.slots):
                         copies.to_host(_wide(src).index_select(0, index), torch.from_numpy(out))
@@ -299,6 +308,14 @@ def _wide(view: torch.Tensor) -> torch.Tensor:
         if view.shape[-1] % size == 0 and view.storage_offset() % size == 0 and all(s % size == 0 for s in view.stride()[:-1]):
             return view.view(dtype)
     return view
+
+
+def _alike(slots: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The slots' ``_wide`` views if they are alike (one shape, one element type: the payload is
+    then one array of them, which moves in one transfer), else None. Per-layer allocations (a
+    FlashAttention layout) copied a layer at a time moved half as fast as torch's pinned copies."""
+    wide = [_wide(t) for t in slots]
+    return wide if len({(t.shape[1:], t.dtype) for t in wide}) == 1 else None
 
 
 def _as(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
