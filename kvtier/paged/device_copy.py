@@ -143,19 +143,10 @@ class PageLocks:
                 self._release(key)
 
 
-_process_locks: PageLocks | None = None
-_process_locks_mutex = threading.Lock()
-
-
-def process_page_locks() -> PageLocks:
-    """The process's one record of the mappings it registered: registration is the process's
-    state, and a mapping registered a second time is refused. Every group's pages and their
-    twins (loads, saves) copy to and from the same arena and ring."""
-    global _process_locks
-    with _process_locks_mutex:
-        if _process_locks is None:
-            _process_locks = PageLocks()
-        return _process_locks
+#: The process's one record of the mappings it registered: registration is the process's state,
+#: and a mapping registered a second time is refused. Every group's pages and their twins (loads,
+#: saves) copy to and from the same arena and ring.
+PROCESS_PAGE_LOCKS = PageLocks()
 
 
 class DeviceCopies:
@@ -165,7 +156,7 @@ class DeviceCopies:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.page_locks = process_page_locks() if self.cuda else None
+        self.page_locks = PROCESS_PAGE_LOCKS if self.cuda else None
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
             self.engine_stream = torch.cuda.current_stream(device)  # built on the engine's thread

@@ -163,6 +163,8 @@ class PagedKV:
         self._host = [t.numpy() for t in slots] if host else None
         self._host_pages = self.pages.numpy() if host and self.pages is not None else None
         self._device = None if host else DeviceCopies(self.device)
+        # the device copies of separate, alike allocations (one a layer): a payload moves in one transfer
+        self._alike = _alike(slots) if not host and self.uniform and self.pages is None else None
 
     def _form(self, name: str, cache, row_bytes: int, exact: bool) -> BlockForm:
         """The tensor's ``BlockForm``, checked against the bytes a block must hold there (with
@@ -242,8 +244,9 @@ class PagedKV:
                 if self.pages is not None:
                     pages = self.pages[slots]
                     _wide(pages).index_copy_(1, index, _as(copies.to_device(torch.from_numpy(segments[:, first : first + n])), pages))
-                elif self.uniform and (wide := _alike(self.slots[slots])) is not None:  # one transfer, then each layer's blocks
-                    data = _as(copies.to_device(torch.from_numpy(segments[:, first : first + n])), wide[0])
+                elif self._alike is not None:  # one transfer, then each layer's blocks
+                    wide = self._alike[slots]
+                    data = copies.to_device(torch.from_numpy(segments[:, first : first + n])).view(wide[0].dtype)
                     for dst, src in zip(wide, data):
                         dst.index_copy_(0, index, src)
                 else:
@@ -265,7 +268,8 @@ class PagedKV:
                 index = copies.index(block_ids)
                 if self.pages is not None:
                     copies.to_host(_wide(self.pages).index_select(1, index), torch.from_numpy(segments))
-                elif self.uniform and (wide := _alike(self.slots)) is not None:  # each layer's blocks side by side, one transfer
+                elif self._alike is not None:  # each layer's blocks side by side, one transfer
+                    wide = self._alike
                     staged = torch.empty((len(wide), len(block_ids), *wide[0].shape[1:]), dtype=wide[0].dtype, device=self.device)
                     for src, out in zip(wide, staged):
                         torch.index_select(src, 0, index, out=out)
