@@ -52,8 +52,7 @@ def _make_store(args: argparse.Namespace):
             DiskTier = None
         if DiskTier is not None:
             disk_path = args.cache_dir / "demo-disk"
-            shutil.rmtree(disk_path, ignore_errors=True)  # start cold, every run
-            disk_path.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(disk_path, ignore_errors=True)  # start cold, every run (the tier makes it, 0700)
             lower.append(DiskTier(disk_path, max_capacity_bytes=args.disk_mib << 20))
     # the write queue to the disk tier holds the whole document, so no write is dropped
     return TieredStore(MemoryTier(args.l1_mib << 20), lower=lower, chunk_size=args.chunk_size,

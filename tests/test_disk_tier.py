@@ -13,6 +13,7 @@ from kvtier.errors import ConfigError
 from kvtier.objects import HEADER_SIZE, check_object
 from kvtier.tiers.arena import ALIGNMENT, align_up
 from kvtier.tiers.disk import LOCK_NAME, DiskTier
+from kvtier_testing.another_user import is_root, run_as_nobody, shared_folder
 from kvtier_testing.tier_objects import key, obj, size
 
 LOGGER = "kvtier.tiers.disk"
@@ -20,6 +21,12 @@ LOGGER = "kvtier.tiers.disk"
 
 def object_file(base: Path, i: int) -> Path:
     return base / f"{key(i).hex()}.kv"
+
+
+def plant(path: Path, data: bytes) -> None:
+    """A file in the tier's directory as kvtier writes one (0600), e.g. what a crashed writer left."""
+    path.touch(mode=0o600)
+    path.write_bytes(data)
 
 
 def files_on_disk(base: Path) -> dict[str, int]:
@@ -67,7 +74,7 @@ def test_second_tier_on_the_same_directory_is_refused_until_the_first_closes(tie
 
 def test_leftover_temp_files_are_removed_at_start(tmp_path):
     leftover = tmp_path / f".{key(1).hex()}.tmp.12345.0123abcd"
-    leftover.write_bytes(obj(1)[:50])
+    plant(leftover, obj(1)[:50])
     t = DiskTier(tmp_path, max_capacity_bytes=1 << 20)
     assert not leftover.exists() and t.usage().objects == 0 and t.stats.extra["temp_files_removed"] == 1
 
@@ -352,7 +359,7 @@ def test_block_records_live_beside_their_objects_and_survive_a_restart(tmp_path)
     assert t.record_of(key(1)) == b"record-1" * 10 and t.record_of(key(2)) == b""
     assert sorted(t.records()) == [(key(1), b"record-1" * 10)]
     assert t.usage().used_bytes == 2 * size() + 80  # a record's bytes count against the capacity
-    (base / f"{key(9).hex()}.blocks").write_bytes(b"orphan")  # a crash between the two writes
+    plant(base / f"{key(9).hex()}.blocks", b"orphan")  # a crash between the two writes
     t.close()
     t = DiskTier(base, max_capacity_bytes=3 * size() + 300)
     assert t.record_of(key(1)) == b"record-1" * 10 and t.usage().used_bytes == 2 * size() + 80
@@ -363,4 +370,111 @@ def test_block_records_live_beside_their_objects_and_survive_a_restart(tmp_path)
     check_capacity(t, 3 * size() + 300)
     t.delete([key(3)])
     assert t.records() == [] and not (base / f"{key(3).hex()}.blocks").exists()
+    t.close()
+
+
+# -- the files are the server's user's alone ---------------------------------------------------------
+
+
+def _tier_with_every_kind_of_file(base: Path) -> DiskTier:
+    """A tier holding an object with a block record and a tenant file, made under umask 0: the
+    modes must not depend on the umask."""
+    previous = os.umask(0)
+    try:
+        t = DiskTier(base, max_capacity_bytes=1 << 20)
+        assert t.put([(key(1), obj(1))], [b"token ids and salt"], tenant="team-a") == [True]
+    finally:
+        os.umask(previous)
+    return t
+
+
+def _every_file(base: Path) -> list[Path]:
+    return [base / f"{key(1).hex()}.{suffix}" for suffix in ("kv", "blocks", "tenant")] + [base / LOCK_NAME]
+
+
+#: As nobody: what it can list, read or lock of the tier's folder and files.
+_OUTSIDER = """
+import fcntl, json, os, sys
+become_nobody()
+folder, files = sys.argv[1], sys.argv[2:]
+got = []
+try:
+    got.append(("listed", sorted(os.listdir(folder))))
+except OSError:
+    pass
+for path in files:
+    try:
+        with open(path, "rb") as f:
+            got.append(("read", path))
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            got.append(("locked", path))
+    except OSError:
+        pass
+print(json.dumps(got))
+"""
+
+
+def test_another_user_can_read_no_file_and_cannot_take_the_lock():
+    """Folder 0700, every file 0600 from its creation (object, block record, tenant file, lock),
+    whatever the umask: another user lists nothing, reads nothing, and cannot hold the lock to
+    keep the server from starting again."""
+    with shared_folder() as shared:
+        t = _tier_with_every_kind_of_file(shared / "l2")
+        try:
+            if is_root():  # no file mode stops root; as non-root, the modes below are the check
+                assert run_as_nobody(_OUTSIDER, str(t.path), *map(str, _every_file(t.path))) == []
+            assert os.stat(t.path).st_mode & 0o777 == 0o700
+            assert {path.name: path.stat().st_mode & 0o777 for path in _every_file(t.path)} == {
+                path.name: 0o600 for path in _every_file(t.path)}
+        finally:
+            t.close()
+        DiskTier(shared / "l2", max_capacity_bytes=1 << 20).close()  # nobody held the lock
+
+
+def _widen_folder(base: Path) -> None:
+    base.chmod(0o755)
+
+
+def _widen_object(base: Path) -> None:
+    (base / f"{key(1).hex()}.kv").chmod(0o644)
+
+
+def _widen_record(base: Path) -> None:
+    (base / f"{key(1).hex()}.blocks").chmod(0o640)
+
+
+def _widen_tenant_file(base: Path) -> None:
+    (base / f"{key(1).hex()}.tenant").chmod(0o604)
+
+
+def _widen_lock(base: Path) -> None:
+    (base / LOCK_NAME).chmod(0o644)
+
+
+def _give_a_file_away(base: Path) -> None:
+    os.chown(base / f"{key(1).hex()}.kv", 65534, 65534)
+
+
+@pytest.mark.parametrize("widen", [_widen_folder, _widen_object, _widen_record, _widen_tenant_file, _widen_lock]
+                         + ([_give_a_file_away] if is_root() else []))
+def test_a_cache_other_users_may_read_or_write_is_refused_with_the_fix_and_kept(tmp_path, widen):
+    """A cache an older kvtier wrote (0755/0644), or one with a file another user owns, is
+    refused at start, naming the file and the command that fixes it; nothing is deleted, and
+    after the fix the tier starts with its object, record and tenant."""
+    base = tmp_path / "l2"
+    _tier_with_every_kind_of_file(base).close()
+    widen(base)
+    before = sorted(p.name for p in base.iterdir())
+    with pytest.raises(ConfigError, match="other users") as refused:
+        DiskTier(base, max_capacity_bytes=1 << 20)
+    assert f"chmod -R go-rwx {base}" in str(refused.value)
+    assert sorted(p.name for p in base.iterdir()) == before
+    if widen is _give_a_file_away:
+        assert f"chown -R {os.geteuid()} {base}" in str(refused.value)
+        os.chown(base / f"{key(1).hex()}.kv", os.geteuid(), os.getegid())
+    for path in (base, *base.iterdir()):
+        path.chmod(path.stat().st_mode & 0o700)
+    t = DiskTier(base, max_capacity_bytes=1 << 20)
+    assert bytes(t.get([key(1)])[0]) == obj(1)
+    assert t.record_of(key(1)) == b"token ids and salt" and t.tenant_of(key(1)) == "team-a"
     t.close()

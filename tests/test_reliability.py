@@ -151,7 +151,7 @@ def test_files_damaged_behind_the_servers_back_are_misses(tmp_path):
 
 def test_read_only_directory_keeps_serving_and_recovers(tmp_path):
     base = tmp_path / "l2"
-    base.mkdir()
+    base.mkdir(mode=0o700)  # the disk tier refuses a folder other users may read
     server = fs_server(tmp_path, base, capacity_gb=0.05)
     try:
         client = KvtierClient(server.url, timeout_s=5)
@@ -267,7 +267,7 @@ def test_base_path_cannot_reach_outside_files(tmp_path):
     """Symlinks named like objects are not followed, foreign files are never deleted, and a
     clear removes only kvtier's own files."""
     base = tmp_path / "l2"
-    base.mkdir()
+    base.mkdir(mode=0o700)  # the disk tier refuses a folder other users may read
     outside = tmp_path / "secret.txt"
     outside.write_text("do not touch")
     fake_key = "ab" * 32

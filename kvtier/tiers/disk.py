@@ -18,6 +18,13 @@ Room is reserved in the index before a write starts and eviction runs inline in 
 files in the directory, temp files included, never add up to more than the capacity. A directory
 belongs to one ``DiskTier`` at a time (an advisory lock enforces it): two indexes over one
 directory would each count only their own files and together exceed the capacity.
+
+The files hold KV (from which prompts can be partly rebuilt), token ids and tenant names: they are
+the server's user's alone. The directory is made 0700 and every file 0600 at its creation (never
+widened later, whatever the umask). A tier that finds its directory, or a file named as it names
+its own, open to other users or owned by another user refuses to start and names the fix: such a
+cache (one an older kvtier wrote, 0755/0644) may have been read or changed by someone else, and
+its lock file could be held by another user to keep the server from starting.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -61,6 +69,16 @@ DEFAULT_FREE_SPACE_SHARE = 0.5
 
 def _new_buffer(size: int) -> memoryview:
     return memoryview(bytearray(size))
+
+
+def _private(path: str, flags: int) -> int:
+    """``open``'s opener for the tier's files: mode 0600 from the first byte, whatever the umask."""
+    return os.open(path, flags | os.O_CLOEXEC, 0o600)
+
+
+def _open_to_others(found: os.stat_result) -> bool:
+    """Whether a user other than this process's may read or write the file ``found`` describes."""
+    return bool(found.st_mode & 0o077) or found.st_uid != os.geteuid()
 
 
 def _page_aligned(buf: memoryview) -> bool:
@@ -115,13 +133,16 @@ class DiskTier(Tier):
         self._book = CapacityBook(None, make_policy(eviction_policy, admission, admission_window))  # the capacity is set below
         self.path = Path(base_path)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         except FileExistsError:
             raise ConfigError(f"L2 path {self.path} exists and is not a directory") from None
         except OSError as e:
             raise ConfigError(f"cannot create the L2 directory {self.path}: {e}") from None
         if not os.access(self.path, os.W_OK | os.X_OK):
             raise ConfigError(f"L2 directory {self.path} is not writable")
+        folder = os.stat(self.path)
+        if _open_to_others(folder):
+            raise self._exposed(self.path, folder)
         self._lock = threading.Lock()
         self._writing: set[bytes] = set()
         self._records: dict[bytes, bytes] = {}  # block records of indexed objects that have one
@@ -293,7 +314,7 @@ class DiskTier(Tier):
     def _write_small(self, path: Path, key: bytes, data: bytes) -> None:
         """A file beside an object (its record, its tenant), written before it. Without fsync: a
         record lost in a crash only unpublishes its object, a tenant gives it to the default one."""
-        with self._renamed_into(path, key.hex()) as temp, open(temp, "xb") as f:
+        with self._renamed_into(path, key.hex()) as temp, open(temp, "xb", opener=_private) as f:
             f.write(data)
 
     def _temp_path(self, stem: str) -> Path:
@@ -347,7 +368,7 @@ class DiskTier(Tier):
                 tail[: len(obj) - head] = obj[head:]
                 segments.append(tail)
         with self._renamed_into(self._object_path(key), key.hex()) as temp:
-            fd = os.open(temp, flags, 0o644)
+            fd = os.open(temp, flags, 0o600)
             try:
                 for segment in segments:
                     written = 0
@@ -361,17 +382,36 @@ class DiskTier(Tier):
 
     def _lock_directory(self) -> int:
         try:
-            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
             raise ConfigError(f"cannot write in the L2 directory {self.path}: {e}") from None
         try:
+            lock = os.fstat(fd)
+            if _open_to_others(lock):
+                raise self._exposed(self.path / LOCK_NAME, lock)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ConfigError:
+            os.close(fd)
+            raise
         except BlockingIOError:
             os.close(fd)
             raise ConfigError(
                 f"L2 directory {self.path} is in use by another DiskTier; give each one its own directory"
             ) from None
         return fd
+
+    def _exposed(self, path: Path, found: os.stat_result, more: int = 0) -> ConfigError:
+        """The start-up error for a directory or file of the tier that other users may read or
+        write, with the fix: the files stay as they are (nothing is lost)."""
+        me = os.geteuid()
+        why = f"mode {stat.S_IMODE(found.st_mode):04o}" if found.st_uid == me else f"owner uid {found.st_uid}"
+        also = f" and {more} more of its files" if more else ""
+        chown = f"chown -R {me} {self.path} && " if found.st_uid != me else ""
+        return ConfigError(
+            f"L2 {path}{also} may be read or changed by other users ({why}; this server runs as uid {me}): "
+            f"they hold KV and token ids. If the cache is this user's, {chown}chmod -R go-rwx {self.path}; "
+            "otherwise give the tier a directory of its own"
+        )
 
     def _odirect_works(self) -> bool:
         """Probe once whether this filesystem takes O_DIRECT; tmpfs and some others refuse it
@@ -404,26 +444,34 @@ class DiskTier(Tier):
         found: list[tuple[int, str, int]] = []
         records: dict[str, int] = {}  # record file name -> size
         tenants: dict[str, int] = {}  # tenant file name -> size
-        temp_removed = foreign = 0
+        temps: list[str] = []
+        exposed: list[tuple[str, os.stat_result]] = []  # our files that other users may read or write
+        foreign = 0
         with os.scandir(self.path) as entries:
             for entry in entries:
                 if entry.name == LOCK_NAME:
                     continue
-                if not entry.is_file(follow_symlinks=False):
+                ours = any(name.fullmatch(entry.name) for name in (OBJECT_NAME, RECORD_NAME, TENANT_FILE_NAME, TEMP_NAME))
+                if not ours or not entry.is_file(follow_symlinks=False):
                     foreign += 1
+                    continue
+                info = entry.stat(follow_symlinks=False)
+                if _open_to_others(info):
+                    exposed.append((entry.name, info))
                 elif OBJECT_NAME.fullmatch(entry.name):
-                    stat = entry.stat(follow_symlinks=False)
-                    found.append((stat.st_mtime_ns, entry.name, stat.st_size))
+                    found.append((info.st_mtime_ns, entry.name, info.st_size))
                 elif RECORD_NAME.fullmatch(entry.name):
-                    records[entry.name] = entry.stat(follow_symlinks=False).st_size
+                    records[entry.name] = info.st_size
                 elif TENANT_FILE_NAME.fullmatch(entry.name):
-                    tenants[entry.name] = entry.stat(follow_symlinks=False).st_size
-                elif TEMP_NAME.fullmatch(entry.name):
-                    with suppress(FileNotFoundError):
-                        os.unlink(entry.path)
-                    temp_removed += 1
+                    tenants[entry.name] = info.st_size
                 else:
-                    foreign += 1
+                    temps.append(entry.name)
+        if exposed:
+            name, info = exposed[0]
+            raise self._exposed(self.path / name, info, len(exposed) - 1)
+        for name in temps:
+            with suppress(FileNotFoundError):
+                os.unlink(self.path / name)
         for _, name, size in sorted(found):
             key = bytes.fromhex(name[:64])
             record = self._load_small(self._record_path(key), records.pop(f"{name[:64]}.blocks", None), MAX_RECORD_BYTES)
@@ -444,7 +492,7 @@ class DiskTier(Tier):
                 "L2 directory %s holds %d entries that are not kvtier's; leaving them", self.path, foreign
             )
         self.stats.extra["foreign_files"] = foreign
-        self.stats.extra["temp_files_removed"] = temp_removed
+        self.stats.extra["temp_files_removed"] = len(temps)
 
     def _load_small(self, path: Path, size: int | None, limit: int) -> bytes:
         """A file beside an indexed object (``size`` None: none), or b"" (removing one over
