@@ -49,6 +49,7 @@ import numpy as np
 import psutil
 from transformers import AutoConfig
 
+from kvtier.server.admin_token import token_for
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.engine_process import kvtier_transfer_config
 from kvtier_testing.services import Service, connector_namespace, free_port, kvtier_server, service_env
@@ -147,7 +148,9 @@ def reset(instances: list[str], kvtier_http: str) -> None:
     """Empty caches: every vLLM's prefix cache and the kvtier server's tiers."""
     for url in instances:
         httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
-    httpx.post(kvtier_http + "/clear-cache", timeout=60).raise_for_status()
+    token = token_for(kvtier_http)  # the server's own, made at its start
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    httpx.post(kvtier_http + "/clear-cache", headers=headers, timeout=60).raise_for_status()
 
 
 def router_service(policy: str, args, instances: list[str], events: list[str], kvtier_http: str, model: Path,

@@ -44,6 +44,7 @@ from kvtier.client import KvtierClient
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.objects import object_size
+from kvtier.server.admin_token import token_for
 from kvtier.tiers.arena import allocate_buffer
 from kvtier_testing.kvtier_processes import ServerProcess, free_port
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
@@ -162,7 +163,7 @@ def api_lookup_rounds(http: str, prompt: np.ndarray, rounds: int, per_round: int
     body = msgspec.json.encode({"namespace": {"model": NS.model, "layout": msgspec.to_builtins(LAYOUT)},
                                 "tokens": prompt.tolist()})
     out = []
-    with httpx.Client(timeout=10) as client:
+    with httpx.Client(timeout=10, headers={"Authorization": f"Bearer {token_for(http)}"}) as client:
         for _ in range(rounds):
             latencies = []
             for _ in range(per_round):

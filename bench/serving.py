@@ -93,6 +93,7 @@ from pathlib import Path
 import httpx
 from transformers import AutoConfig
 
+from kvtier.server.admin_token import token_for
 from kvtier_testing.cache_dir import cache_dir
 from kvtier_testing.engine_process import kvtier_transfer_config
 from kvtier_testing.exactness import mismatch
@@ -275,8 +276,9 @@ def reset(url: str, clear: str | None) -> None:
     server behind its connector."""
     httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
     if clear:
+        token = token_for(clear)  # a kvtier server's own, made at its start ("" for LMCache's)
         httpx.post(clear, json={"tier": "l1", "force": True} if clear.endswith("/cache/clear") else None,
-                   timeout=60).raise_for_status()
+                   headers={"Authorization": f"Bearer {token}"} if token else None, timeout=60).raise_for_status()
 
 
 class QueueSampler:

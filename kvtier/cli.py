@@ -188,9 +188,25 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _admin_token(given: str | None, url: str) -> str:
+    """The flag's token, else KVTIER_ADMIN_TOKEN, else the one a server of this user on this host
+    made for ``url``'s port (kvtier/server/admin_token.py)."""
+    from kvtier.server.admin_token import token_for
+
+    if given is not None:
+        return given
+    return os.environ.get("KVTIER_ADMIN_TOKEN") or token_for(url)
+
+
 def _clear(args: argparse.Namespace) -> int:
-    token = args.token if args.token is not None else os.environ.get("KVTIER_ADMIN_TOKEN", "")
-    result = _http(args.url, "/clear-cache", method="POST", token=token)
+    try:
+        result = _http(args.url, "/clear-cache", method="POST", token=_admin_token(args.token, args.url))
+    except urllib.error.HTTPError as exc:
+        if exc.code != 401:
+            raise
+        print(f"kvtier: {args.url} refused the admin token: give --token (or KVTIER_ADMIN_TOKEN), or run this as "
+              "the server's user on its host", file=sys.stderr)
+        return 1
     print(f"cleared: {result['removed']} objects removed")
     return 0
 
@@ -219,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     kvcache = commands.add_parser("kvcache", help="act on a server's cache").add_subparsers(dest="action", required=True)
     clear = kvcache.add_parser("clear", help="remove every cached object from every tier")
     clear.add_argument("--url", default="http://127.0.0.1:8080", help="the server's HTTP address")
-    clear.add_argument("--token", default=None, help="admin token (or env KVTIER_ADMIN_TOKEN)")
+    clear.add_argument("--token", default=None, help="admin token (or env KVTIER_ADMIN_TOKEN; without either, "
+                       "the token the server made, for the server's user on its host)")
     keys = commands.add_parser("keys", help="CurveZMQ keys for a data port other hosts reach")
     generate = keys.add_subparsers(dest="action", required=True).add_parser(
         "generate", help="write NAME.key (public) and NAME.key_secret (key pair), both mode 0600")

@@ -2,7 +2,10 @@
 the end of the run by test and reason, and where ``CI`` is set any skip fails the run
 (``kvtier_testing.skip_ledger``)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 pytest_plugins = ["kvtier_testing.skip_ledger", "pytester"]
+
+# The admin tokens the tests' servers make (kvtier/server/admin_token.py) go to this run's folder,
+# not the home folder; the servers' subprocesses and kvtier commands inherit it and find them there.
+if "XDG_RUNTIME_DIR" not in os.environ:
+    os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="kvtier-tests-run-")
+    atexit.register(shutil.rmtree, os.environ["XDG_RUNTIME_DIR"], True)
 
 
 # -- the tiny random Llama model (kvtier_testing.tiny_model) --------------------------------------

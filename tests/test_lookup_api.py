@@ -12,6 +12,7 @@ import pytest
 
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
+from kvtier.server.admin_token import token_for
 from kvtier.server.lookup import MAX_BODY_BYTES, MAX_TOKENS, BadLookup, LookupApi
 from kvtier.store import TieredStore
 from kvtier.tiers.memory import MemoryTier
@@ -28,7 +29,9 @@ def namespace_json(ns=NS) -> dict:
             "layout": msgspec.to_builtins(ns.layout)}
 
 
-def ask(http: str, body, token: str = "") -> httpx.Response:
+def ask(http: str, body, token: str | None = None) -> httpx.Response:
+    """``token`` None: the one the server made (its file, as ``kvtier`` commands find it)."""
+    token = token_for(http) if token is None else token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     # 60 s: the first text lookup loads the tokenizer, and transformers imports slowly on a busy host
@@ -125,11 +128,14 @@ def test_lookup_with_text_uses_the_models_tokenizer(tmp_path, tiny_model_path, t
         store(proc, np.asarray(ids), ns)
         want = {"tokens": len(ids), "prefix_tokens": len(ids), "chunk_size": CHUNK, "tiers": {"memory": len(ids)}}
         assert ask(proc.http, {"namespace": namespace_json(ns), "text": text}).json() == want
-        # a tokenizer named in the request (a local folder) serves a model the server was not told of
+        # a tokenizer of the server's, named in the request, serves a model the server was not told of
         other = {**namespace_json(ns), "model": "unregistered"}
         assert ask(proc.http, {"namespace": other, "text": text}).status_code == 400
-        answer = ask(proc.http, {"namespace": other, "text": text, "tokenizer": str(tiny_model_path)}).json()
+        answer = ask(proc.http, {"namespace": other, "text": text, "tokenizer": "tiny"}).json()
         assert answer["tokens"] == len(ids) and answer["prefix_tokens"] == 0  # another model: other keys
+        # a folder is no tokenizer's name, even the one the server loads "tiny" from
+        refused = ask(proc.http, {"namespace": other, "text": text, "tokenizer": str(tiny_model_path)})
+        assert refused.status_code == 400 and "no tokenizer named" in refused.json()["detail"]
     finally:
         proc.stop()
 
@@ -154,7 +160,7 @@ BAD = [
     ({"namespace": {**namespace_json(), "layout": {**namespace_json()["layout"], "block_size": 5}}, "tokens": [1]},
      400, "block_size"),
     ({"namespace": namespace_json(), "text": "hello"}, 400, "tokenizer"),
-    ({"namespace": namespace_json(), "text": "hello", "tokenizer": "/no/such/folder"}, 400, "does not exist"),
+    ({"namespace": namespace_json(), "text": "hello", "tokenizer": "/no/such/folder"}, 400, "no tokenizer named"),
     ({"namespace": namespace_json(), "tokens": [1] * (MAX_TOKENS + 1)}, 413, "at most"),
     (b"[" + b"1," * (MAX_BODY_BYTES // 2) + b"1]", 413, "bytes"),
 ]
@@ -168,6 +174,19 @@ def test_bad_lookups_are_4xx_that_name_the_problem(server):
         assert words in response.json()["detail"], response.text
     # and the server goes on answering
     assert ask(server.http, {"namespace": namespace_json(), "tokens": [1, 2, 3]}).json()["prefix_tokens"] == 0
+
+
+def test_a_tokenizer_is_named_never_a_folder_and_the_answer_tells_nothing_of_the_disk(server, tmp_path):
+    """``tokenizer`` names one of the server's tokenizers (``--tokenizer``); a folder, existing or
+    not, holding a tokenizer or not, gets the same 400 as any unknown name: the request never
+    reaches the server's disk, and the answer cannot tell which folders exist."""
+    (tmp_path / "not-a-tokenizer").mkdir()
+    answers = []
+    for name in ("/no/such/folder", str(tmp_path / "not-a-tokenizer"), "/etc", "workload"):
+        response = ask(server.http, {"namespace": namespace_json(), "text": "hello", "tokenizer": name})
+        answers.append((response.status_code, response.json()["detail"].replace(repr(name), "NAME")))
+    assert answers == [(400, "no tokenizer named NAME on this server: send tokens, or name one of its tokenizers "
+                             "(--tokenizer): []")] * 4
 
 
 def test_lookup_needs_the_admin_token_when_the_server_has_one(tmp_path):

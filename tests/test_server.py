@@ -14,6 +14,7 @@ import pytest
 
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
+from kvtier.server.admin_token import token_for
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
@@ -109,7 +110,8 @@ def test_http_endpoints(server):
     for name in ("kvtier_lookups_total", "kvtier_stored_tokens_total 40.0", 'kvtier_tier_usage_bytes{tier="memory"}',
                  'kvtier_tier_capacity_bytes{tier="disk"}', "kvtier_request_seconds_bucket", "kvtier_connected_clients"):
         assert name in metrics
-    request = urllib.request.Request(server.http + "/clear-cache", method="POST")
+    request = urllib.request.Request(server.http + "/clear-cache", method="POST",
+                                     headers={"Authorization": f"Bearer {token_for(server.http)}"})
     assert json.load(urllib.request.urlopen(request))["removed"] >= 3
     assert server.get("/status")["tiers"][0]["objects"] == 0
 
@@ -158,6 +160,22 @@ def test_bad_config_exits_2_naming_the_problem(flags, message):
                          timeout=30)
     assert out.returncode == 2
     assert message in out.stderr
+
+
+def test_a_disk_tier_folder_other_users_may_read_stops_the_server_with_exit_2(tmp_path):
+    """An L2 folder open to other users (as an older kvtier made it, or ``mkdir`` under umask 022)
+    stops ``kvtier server`` at start: exit 2, the folder and the fix named, nothing removed."""
+    base = tmp_path / "l2"
+    base.mkdir(mode=0o755)
+    base.chmod(0o755)
+    (base / "note.txt").write_text("kept")
+    adapter = json.dumps({"type": "fs", "base_path": str(base), "max_capacity_gb": 0.01})
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "server", "--l1-size-gb", "0.01", "--l2-adapter", adapter],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"L2 {base} may be read or changed by other users (mode 0755" in out.stderr
+    assert f"chmod -R go-rwx {base}" in out.stderr
+    assert (base / "note.txt").read_text() == "kept"
 
 
 @pytest.mark.slow

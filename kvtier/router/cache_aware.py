@@ -36,6 +36,7 @@ from kvtier.events import Medium
 from kvtier.router.instances import Instance
 from kvtier.router.policies import Policy, Routed
 from kvtier.router.vllm_prefix import BlockHasher, EventSubscriber, PrefixIndex
+from kvtier.server.admin_token import token_for
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ class CacheAware(Policy):
         self.index = PrefixIndex()
         self._context = zmq.Context()
         self.subscribers = [EventSubscriber(self.index, i.url, i.events, self._context) for i in instances if i.events]
-        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self._kvtier = httpx.AsyncClient(timeout=lookup_timeout_s, headers=headers)
+        self.admin_token = admin_token  # "": the token each kvtier server on this host made (admin_token.py)
+        self._kvtier = httpx.AsyncClient(timeout=lookup_timeout_s)
         self.counts = {"scored": 0, "unscored": 0, "expected_local_tokens": 0, "expected_kvtier_tokens": 0,
                        "kvtier_lookup_failures": 0}
 
@@ -121,7 +122,9 @@ class CacheAware(Policy):
 
         async def ask(url: str) -> dict | None:
             try:
-                response = await self._kvtier.post(url + "/api/lookup", content=body)
+                token = self.admin_token or token_for(url)
+                headers = {"Authorization": f"Bearer {token}"} if token else None
+                response = await self._kvtier.post(url + "/api/lookup", content=body, headers=headers)
                 response.raise_for_status()
                 return response.json()
             except (httpx.HTTPError, ValueError) as exc:

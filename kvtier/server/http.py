@@ -1,11 +1,11 @@
 """The HTTP control plane: health, status, Prometheus metrics and admin actions.
 
-Mutating endpoints need the admin token when one is set (``Authorization: Bearer <token>``).
+Clearing the cache needs the admin token (``Authorization: Bearer <token>``), always: the
+operator's, or the one the server made and left for its own user (``admin_token.py``).
 No endpoint runs code or touches files; the status shows the config with secrets masked.
 ``/dashboard`` is a read-only page (files of ``dashboard/`` in this package) that polls ``/status``.
 ``POST /api/lookup`` tells routers how much of a prompt is cached, per tier (``lookup.py``); it
-reads nothing but the key index, and needs the admin token when one is set (it reveals what
-prompts were seen).
+reads nothing but the key index, and needs the admin token too (it reveals what prompts were seen).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from kvtier import __version__
+from kvtier.server.admin_token import AdminToken
 from kvtier.server.lookup import MAX_BODY_BYTES, BadLookup, LookupApi
 
 
-def create_app(service, metrics, ready: Callable[[], bool], lookup: LookupApi | None = None) -> FastAPI:
+def create_app(service, metrics, ready: Callable[[], bool], lookup: LookupApi, admin_token: AdminToken) -> FastAPI:
     app = FastAPI(title="kvtier server", version=__version__)
-    lookup = lookup or LookupApi(service.store, metrics)
 
     @app.get("/healthcheck")
     def healthcheck():
@@ -46,7 +46,7 @@ def create_app(service, metrics, ready: Callable[[], bool], lookup: LookupApi | 
 
     def clear_cache(authorization: str | None = Header(default=None)) -> dict:
         token = authorization.removeprefix("Bearer ").strip() if authorization else ""
-        if not service.authorized(token):
+        if not admin_token.accepts(token):
             raise HTTPException(status_code=401, detail="admin token required", headers={"WWW-Authenticate": "Bearer"})
         return {"status": "ok", "removed": service.clear()}
 
@@ -57,7 +57,7 @@ def create_app(service, metrics, ready: Callable[[], bool], lookup: LookupApi | 
     async def api_lookup(request: Request) -> Response:
         token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         try:
-            if not service.authorized(token):
+            if not admin_token.accepts(token):
                 raise BadLookup(401, "admin token required")
             body = await _bounded_body(request, MAX_BODY_BYTES)
             parsed = lookup.parse(body)

@@ -12,26 +12,28 @@ Request (JSON, at most ``MAX_BODY_BYTES``)::
                    "layout": {"num_layers": 32, "num_kv_heads": 8, "head_size": 128,
                               "dtype": "bfloat16", "block_size": 16, ...}},   # KVLayout's fields
      "tokens": [1, 2, ...]}                          # or
-     "text": "...", "add_special_tokens": true, "tokenizer": "/local/dir"}   # tokenizer optional
+     "text": "...", "add_special_tokens": true, "tokenizer": "llama"}   # tokenizer optional
 
-``text`` is tokenised with ``tokenizer`` (a local folder) or, without it, the tokenizer the
-server was started with for ``namespace.model`` (``--tokenizer``); never from a model hub.
+``text`` is tokenised with one of the tokenizers the server was started with (``--tokenizer``,
+each a model name and a local folder): the one ``tokenizer`` names, else ``namespace.model``'s;
+never from a model hub. A request names a tokenizer, never a folder: nothing it sends reaches the
+server's disk, and an unknown name gets the same answer whatever is on that disk.
 
 Answer::
 
     {"tokens": 8192, "prefix_tokens": 4096, "chunk_size": 256,
      "tiers": {"memory": 3072, "disk": 1024}}   # tokens of the prefix whose highest copy is there
 
-Bad input is a 4xx naming the problem (400 malformed, 401 without the admin token when the server
-has one, 413 too large); nothing a client sends reaches past this module.
+Bad input is a 4xx naming the problem (400 malformed, 401 without the admin token, 413 too
+large); nothing a client sends reaches past this module. A tokenizer of the server's that cannot
+be loaded is a 503 (its cause goes to the server's log).
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Sequence
 
 import msgspec
@@ -41,15 +43,16 @@ from kvtier.errors import ConfigError
 from kvtier.keys import LazyPartials, Namespace, canonical_tokens, prefix_keys
 from kvtier.layout import KVLayout
 
+log = logging.getLogger(__name__)
+
 #: The longest prompt a lookup may name, and the largest body (a 128k-token prompt as JSON digits).
 MAX_TOKENS = 131_072
 MAX_BODY_BYTES = 2 << 20
-#: Tokenizers kept loaded (by folder); the least recently used one is dropped past this.
-MAX_TOKENIZERS = 8
 
 
 class BadLookup(Exception):
-    """A lookup request the server cannot answer; ``status`` is its HTTP status (4xx)."""
+    """A lookup request the server cannot answer; ``status`` is its HTTP status (4xx, or 503 for a
+    tokenizer of the server's that does not load)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -84,35 +87,31 @@ _decode_request = msgspec.json.Decoder(LookupRequest).decode
 
 
 class Tokenizers:
-    """Tokenizers from local folders, loaded once each (transformers, imported on first use)."""
+    """The server's tokenizers (``--tokenizer``) by model name, each loaded from its local folder
+    on first use (transformers, imported then) and kept."""
 
     def __init__(self, sources: Sequence[TokenizerSource] = ()) -> None:
-        self.by_model = {source.model: source.path for source in sources}
-        self._loaded: OrderedDict[str, Any] = OrderedDict()
+        self.folders = {source.model: source.path for source in sources}
+        self._loaded: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def get(self, model: str, path: str | None) -> Any:
-        path = path or self.by_model.get(model)
-        if path is None:
-            raise BadLookup(400, f"no tokenizer for model {model[:200]!r}: send tokens, name a local "
-                                    "\"tokenizer\" folder, or start the server with --tokenizer")
+    def get(self, name: str) -> Any:
+        folder = self.folders.get(name)
+        if folder is None:
+            raise BadLookup(400, f"no tokenizer named {name[:200]!r} on this server: send tokens, or name one of "
+                                 f"its tokenizers (--tokenizer): {sorted(self.folders)}")
         with self._lock:
-            if path in self._loaded:
-                self._loaded.move_to_end(path)
-                return self._loaded[path]
-        if not os.path.isdir(path):
-            raise BadLookup(400, f"tokenizer folder {path[:200]!r} does not exist on the server")
+            if name in self._loaded:
+                return self._loaded[name]
         try:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception as exc:  # a folder without a tokenizer, a broken file
-            raise BadLookup(400, f"cannot load a tokenizer from {path[:200]!r}: {type(exc).__name__}") from None
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except Exception as exc:  # the folder changed since the start, a broken file
+            log.error("cannot load the tokenizer %r from %s: %s", name, folder, exc)
+            raise BadLookup(503, f"the server cannot load its tokenizer {name!r} (its log says why)") from None
         with self._lock:
-            self._loaded[path] = tokenizer
-            while len(self._loaded) > MAX_TOKENIZERS:
-                self._loaded.popitem(last=False)
-        return tokenizer
+            return self._loaded.setdefault(name, tokenizer)
 
 
 def parse_namespace(fields: NamespaceFields) -> Namespace:
@@ -191,5 +190,5 @@ class LookupApi:
             return request.tokens
         if len(request.text) > MAX_TOKENS * 16:
             raise BadLookup(413, "lookup text too long")
-        tokenizer = self.tokenizers.get(namespace.model, request.tokenizer)
+        tokenizer = self.tokenizers.get(request.tokenizer or namespace.model)
         return tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)

@@ -29,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvtier.config import ServerConfig
 from kvtier.metrics import ServerMetrics
+from kvtier.server.admin_token import AdminToken
 from kvtier.server.http import HttpServer, create_app
 from kvtier.server.kv_events import KVEventPublisher
 from kvtier.server.lookup import LookupApi, Tokenizers
@@ -90,6 +91,7 @@ class KvtierServer:
         self.http: HttpServer | None = None
         self._authenticator = None  # the ZAP handler, while CurveZMQ is on
         self.kv_events: KVEventPublisher | None = None
+        self.admin_token = AdminToken(config.admin_token)  # for the HTTP port; the data port's peers are admitted
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -112,10 +114,13 @@ class KvtierServer:
                     self.config.events_replay_port, self.config.kv_events_buffer, self.config.kv_events_source,
                 )
             lookup = LookupApi(self.store, self.metrics, Tokenizers(self.config.tokenizers))
-            self.http = HttpServer(create_app(self.service, self.metrics, self._ready.is_set, lookup),
+            self.http = HttpServer(create_app(self.service, self.metrics, self._ready.is_set, lookup, self.admin_token),
                                    self.config.http_host, self.config.http_port)
+            self.admin_token.publish(self.http.port)
         except Exception:
             frontend.close(linger=0)
+            if self.http is not None:
+                self.http.socket.close()
             if self.kv_events is not None:
                 self.kv_events.close()
                 self.kv_events = None
@@ -136,9 +141,9 @@ class KvtierServer:
             self.kv_events.start()
         self.http.start()
         self._ready.set()
-        log.info("kvtier server ready: data tcp://%s:%d (CurveZMQ %s), http %s:%d, shared memory %s",
+        log.info("kvtier server ready: data tcp://%s:%d (CurveZMQ %s), http %s:%d (admin token %s), shared memory %s",
                  self.config.host, self.config.port, "on" if self.curve else "off", self.config.http_host,
-                 self.http.port, self.arena.path or "off")
+                 self.http.port, self.admin_token.path or "given", self.arena.path or "off")
 
     def stop(self, deadline_s: float = STOP_DEADLINE_S) -> bool:
         """Stop serving and release everything, waiting for the threads until ``deadline_s`` from
@@ -149,6 +154,7 @@ class KvtierServer:
         self._ready.clear()
         stopped = True
         try:
+            self.admin_token.withdraw()
             if self._control is not None:
                 self.http.stop(max(0.0, deadline - time.monotonic()))
                 # The front thread first: while it runs, the workers are there to take what it forwards.
@@ -177,7 +183,7 @@ class KvtierServer:
         log.error("kvtier server did not stop within %.1f s; exiting without waiting (threads follow)",
                   STOP_DEADLINE_S)
         faulthandler.dump_traceback(all_threads=True)
-        for path in (self.arena.path, self.arena.token.path if self.arena.token else None):
+        for path in (self.arena.path, self.arena.token.path if self.arena.token else None, self.admin_token.path):
             if path is not None:
                 path.unlink(missing_ok=True)
         os._exit(EXIT_STOP_OVERRUN)
