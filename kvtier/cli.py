@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     router.add_argument("--tier-cost", action="append", default=[], metavar="MEDIUM=TOKENS",
                         help="cache-aware: cost of loading one token from a kvtier medium, in tokens computed")
     router.add_argument("--lookup-timeout-s", type=float, default=0.2, help="cache-aware: per kvtier lookup")
-    router.add_argument("--admin-token", default=None, help="kvtier servers' admin token (or env KVTIER_ADMIN_TOKEN)")
+    router.add_argument("--admin-token", default=None, help="kvtier servers' admin token (or env KVTIER_ADMIN_TOKEN; "
+                        "without either, the token each server on this host made, where it is this user's)")
     proxy = commands.add_parser("pd-proxy", help="kvtier router --policy pd, by its older name")
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (http://host:port)")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (http://host:port)")

@@ -19,6 +19,7 @@ from kvtier.router.app import Router, create_app
 from kvtier.router.cache_aware import CacheAware
 from kvtier.router.instances import Instance
 from kvtier.router.policies import RoundRobin
+from kvtier.server.admin_token import token_for
 from kvtier_testing.engine_process import kvtier_transfer_config
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.services import (
@@ -151,7 +152,8 @@ def test_cache_aware_sees_what_kvtier_holds(stack):
     complete(stack.urls[0], prompt)  # computed by instance 0, which stores it in kvtier
     deadline = time.monotonic() + 30
     while True:  # the store completes off the request's path
-        lookup = httpx.post(stack.kvtier.http + "/api/lookup", json={"namespace": stack.namespace, "tokens": prompt})
+        lookup = httpx.post(stack.kvtier.http + "/api/lookup", json={"namespace": stack.namespace, "tokens": prompt},
+                            headers={"Authorization": f"Bearer {token_for(stack.kvtier.http)}"})
         if lookup.json()["prefix_tokens"] >= 1280 or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -15,7 +15,7 @@ import pytest
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier.server.admin_token import token_for
-from kvtier_testing.kvtier_processes import ServerProcess
+from kvtier_testing.kvtier_processes import ServerProcess, free_port
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
 pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
@@ -170,8 +170,9 @@ def test_a_disk_tier_folder_other_users_may_read_stops_the_server_with_exit_2(tm
     base.chmod(0o755)
     (base / "note.txt").write_text("kept")
     adapter = json.dumps({"type": "fs", "base_path": str(base), "max_capacity_gb": 0.01})
-    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "server", "--l1-size-gb", "0.01", "--l2-adapter", adapter],
-                         capture_output=True, text=True, timeout=30)
+    ports = ("--port", str(free_port()), "--http-port", str(free_port()))  # bound only if it wrongly started
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli", "server", *ports, "--l1-size-gb", "0.01", "--l2-adapter",
+                          adapter], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2, out.stderr[-2000:]
     assert f"L2 {base} may be read or changed by other users (mode 0755" in out.stderr
     assert f"chmod -R go-rwx {base}" in out.stderr
