@@ -62,6 +62,8 @@ RECORD_NAME = re.compile(r"[0-9a-f]{64}\.blocks")
 TENANT_FILE_NAME = re.compile(r"[0-9a-f]{64}\.tenant")
 TEMP_NAME = re.compile(r"\.([0-9a-f]{64}|odirect-probe)\.tmp\.[0-9]+\.[0-9a-f]{8}")
 LOCK_NAME = ".kvtier-disk.lock"
+#: Every name the tier gives a file but the lock's: the files it indexes, checks and may remove.
+_OURS = re.compile("|".join(name.pattern for name in (OBJECT_NAME, RECORD_NAME, TENANT_FILE_NAME, TEMP_NAME)))
 #: Share of the free space the tier may take when no capacity is given: the rest stays for
 #: everything else on the filesystem.
 DEFAULT_FREE_SPACE_SHARE = 0.5
@@ -451,8 +453,7 @@ class DiskTier(Tier):
             for entry in entries:
                 if entry.name == LOCK_NAME:
                     continue
-                ours = any(name.fullmatch(entry.name) for name in (OBJECT_NAME, RECORD_NAME, TENANT_FILE_NAME, TEMP_NAME))
-                if not ours or not entry.is_file(follow_symlinks=False):
+                if not _OURS.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
                     foreign += 1
                     continue
                 info = entry.stat(follow_symlinks=False)
