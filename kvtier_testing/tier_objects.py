@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 from typing import Callable
 
 from kvtier.objects import HEADER_SIZE, build_object
@@ -33,3 +34,10 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def plant(path: Path, data: bytes) -> None:
+    """A file in a disk tier's folder as kvtier writes one (0600): what a crashed writer left, a
+    record whose object is gone. The tier refuses files other users may read."""
+    path.touch(mode=0o600)
+    path.write_bytes(data)

@@ -14,19 +14,13 @@ from kvtier.objects import HEADER_SIZE, check_object
 from kvtier.tiers.arena import ALIGNMENT, align_up
 from kvtier.tiers.disk import LOCK_NAME, DiskTier
 from kvtier_testing.another_user import is_root, run_as_nobody, shared_folder
-from kvtier_testing.tier_objects import key, obj, size
+from kvtier_testing.tier_objects import key, obj, plant, size
 
 LOGGER = "kvtier.tiers.disk"
 
 
 def object_file(base: Path, i: int) -> Path:
     return base / f"{key(i).hex()}.kv"
-
-
-def plant(path: Path, data: bytes) -> None:
-    """A file in the tier's directory as kvtier writes one (0600), e.g. what a crashed writer left."""
-    path.touch(mode=0o600)
-    path.write_bytes(data)
 
 
 def files_on_disk(base: Path) -> dict[str, int]:

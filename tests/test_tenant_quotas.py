@@ -18,7 +18,7 @@ from kvtier.tiers.arena import ALIGNMENT
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryTier
 from kvtier.tiers.tenants import TenantQuota
-from kvtier_testing.tier_objects import key, obj, size
+from kvtier_testing.tier_objects import key, obj, plant, size
 from kvtier_testing.workload import NS
 
 pytestmark = pytest.mark.servers  # starts real servers (kvtier, Redis/Valkey or SeaweedFS)
@@ -217,8 +217,8 @@ def test_disk_restart_keeps_each_objects_tenant(tmp_path):
     t = disk(tmp_path, 8, q)
     put(t, 1, "a"), put(t, 2, "a"), put(t, 3, "")
     t.close()
-    (tmp_path / f"{key(9).hex()}.tenant").write_bytes(b"a")  # a tenant file whose object is gone
-    (tmp_path / f"{key(3).hex()}.tenant").write_bytes(b"no spaces!")  # not a name kvtier writes
+    plant(tmp_path / f"{key(9).hex()}.tenant", b"a")  # a tenant file whose object is gone
+    plant(tmp_path / f"{key(3).hex()}.tenant", b"no spaces!")  # not a name kvtier writes
     t = disk(tmp_path, 8, q)
     try:
         assert owners(t, [1, 2, 3]) == {1: "a", 2: "a", 3: ""}
