@@ -104,3 +104,32 @@ def test_a_token_file_is_read_for_loopback_urls_only(monkeypatch, tmp_path):
         assert token_for(url) == "", url
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert str(token_path(8080)).startswith(os.path.expanduser("~/.cache/kvtier/"))
+
+
+def test_the_router_asks_a_local_server_with_the_token_it_made(tmp_path):
+    """``kvtier router``'s cache-aware lookups reach a server on its host without a flag: it reads
+    the server's made token for each kvtier URL."""
+    import asyncio
+
+    import msgspec
+
+    from kvtier.router.cache_aware import CacheAware
+    from kvtier.router.instances import Instance
+
+    server = ServerProcess(tmp_path).start()
+    try:
+        store_some(server)
+        namespace = {"model": NS.model, "revision": NS.revision, "layout": msgspec.to_builtins(NS.layout)}
+        instances = [Instance("http://127.0.0.1:1", kvtier=server.http)]  # no vLLM: only its kvtier is asked
+        policy = CacheAware(instances, None, namespace, lookup_timeout_s=10)
+
+        async def ask() -> dict:
+            try:
+                return await policy.kvtier_prefixes(instances, tokens(7000, 48).tolist(), None)
+            finally:
+                await policy.close()
+
+        answers = asyncio.run(ask())
+        assert answers[server.http]["prefix_tokens"] == 48 and policy.counts["kvtier_lookup_failures"] == 0
+    finally:
+        server.stop()
