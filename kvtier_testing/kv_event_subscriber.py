@@ -27,11 +27,12 @@ class Message(NamedTuple):
     topic: str
     seq: int
     batch: KVEventBatch
+    payload: bytes  # as received: a check for what no event may hold looks at every byte
 
 
 def _message(frames: list[bytes]) -> Message:
     topic, seq, payload = frames
-    return Message(topic.decode(), int.from_bytes(seq, "big"), _decoder.decode(payload))
+    return Message(topic.decode(), int.from_bytes(seq, "big"), _decoder.decode(payload), payload)
 
 
 class EventSubscriber:

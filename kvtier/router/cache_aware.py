@@ -65,7 +65,8 @@ class CacheAware(Policy):
         self.hasher = BlockHasher(hash_algorithm)
         self.index = PrefixIndex()
         self._context = zmq.Context()
-        self.subscribers = [EventSubscriber(self.index, i.url, i.events, self._context) for i in instances if i.events]
+        self.subscribers = [EventSubscriber(self.index, i.url, i.events, self._context, i.events_curve)
+                            for i in instances if i.events]
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._kvtier = httpx.AsyncClient(timeout=lookup_timeout_s, headers=headers)
         self.counts = {"scored": 0, "unscored": 0, "expected_local_tokens": 0, "expected_kvtier_tokens": 0,
