@@ -37,12 +37,12 @@ def blocks(messages, medium: str) -> list[tuple]:
 
 
 def test_kvtier_publishes_the_block_hashes_vllm_publishes_for_the_same_prompt(tmp_path, tiny_model_path):
-    kv_port, kv_replay = free_port(), free_port()
-    server = ServerProcess(tmp_path, "--kv-events-port", str(kv_port), "--kv-events-replay-port", str(kv_replay),
-                           "--kv-events-source", "node", l1_gb=0.1, chunk_size=CHUNK).start()
+    events = tmp_path / "events"
+    server = ServerProcess(tmp_path, "--kv-events-dir", str(events), "--kv-events-source", "node", l1_gb=0.1,
+                           chunk_size=CHUNK).start()
     vllm_port, vllm_replay = free_port(), free_port()
     vllm_events = EventSubscriber(f"tcp://127.0.0.1:{vllm_port}", f"tcp://127.0.0.1:{vllm_replay}", bind=True)
-    kvtier_events = EventSubscriber(f"tcp://127.0.0.1:{kv_port}", f"tcp://127.0.0.1:{kv_replay}")
+    kvtier_events = EventSubscriber(f"ipc://{events}/events", f"ipc://{events}/replay")
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv@engine@tiny",
                      "endpoint": f"tcp://127.0.0.1:{vllm_port}",  # no wildcard: vLLM connects to us
                      "replay_endpoint": f"tcp://127.0.0.1:{vllm_replay}"}

@@ -184,7 +184,9 @@ def test_bad_instance_specs_are_refused():
     instance = parse_instance("http://h:1/,events=tcp://h:2,kvtier=http://k:3")
     assert (instance.url, instance.events, instance.kvtier) == ("http://h:1", "tcp://h:2", "http://k:3")
     assert parse_instance("http://h:1", kvtier="http://k:9").kvtier == "http://k:9"
-    for spec in ("h:1", "http://h:1,colour=red", "http://h:1,events=h:2", "http://h:1,kvtier=k:3", "http://h:1,events="):
+    assert parse_instance("http://h:1,events=tcp://h:2,events_key=/k/server.key").events_key == "/k/server.key"
+    for spec in ("h:1", "http://h:1,colour=red", "http://h:1,events=h:2", "http://h:1,kvtier=k:3", "http://h:1,events=",
+                 "http://h:1,events_key=/k/server.key"):
         with pytest.raises(ValueError):
             parse_instance(spec)
 

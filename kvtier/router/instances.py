@@ -61,5 +61,5 @@ def parse_instance(spec: str, kvtier: str | None = None) -> Instance:
         raise ValueError("events_key=FILE (the publisher's CurveZMQ public key) needs events=ENDPOINT")
     if fields["kvtier"] is not None and not fields["kvtier"].startswith(("http://", "https://")):
         raise ValueError(f"kvtier server {fields['kvtier']!r}: expected its HTTP address, http://HOST:PORT")
-    return Instance(url.rstrip("/"), fields["events"], fields["events_key"],
-                    fields["kvtier"].rstrip("/") if fields["kvtier"] else None)
+    return Instance(url.rstrip("/"), events=fields["events"], events_key=fields["events_key"],
+                    kvtier=fields["kvtier"].rstrip("/") if fields["kvtier"] else None)
