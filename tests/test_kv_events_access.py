@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from vllm.distributed.kv_events import BlockStored
@@ -250,3 +251,36 @@ def test_an_events_folder_other_users_may_open_or_another_server_uses_stops_the_
     again = KvtierServer(events_config(tmp_path, tmp_path / "mine"))  # and the folder serves the next one
     again.start()
     again.stop()
+
+
+@pytest.mark.slow
+def test_the_fuzzers_events_move_checks_the_stream_and_catches_a_salt(tmp_path):
+    """The fuzzer's subscriber (kvtier_testing/fuzz_events.py) across stores, a clear and a
+    restart; and it fails where a record holds the salt, as the connector's did."""
+    from kvtier_testing import fuzz_events, fuzz_server
+
+    target = fuzz_server.started_target(tmp_path, seed=7)
+    fuzz_server.ServerFuzz.target = target
+    machine = fuzz_server.ServerFuzz()
+    try:
+        for move in (lambda: machine.stored_first(c=0, chains_first=2), machine.events,
+                     lambda: machine.clear(now=2), lambda: machine.store(c=2, chain=3, n=3), machine.events,
+                     lambda: machine.restart(kill=False, now=3), lambda: machine.store(c=0, chain=0, n=2), machine.events):
+            move()
+            machine.server_answers()
+        assert target.stats["events_checked"] >= 10, dict(target.stats)
+        key = bytes(range(32))  # a new object, its record as the connector made it before: the salt in block 0
+        data = fuzz_server.object_of(key, 8)
+        record = decode_record(target.events.records([key], [data])[0])
+        salted = msgspec.structs.replace(record, extra_keys=[[fuzz_events.SALT], None]).encode()
+        [reservation] = machine.clients[0].reserve([(key, len(data))], [salted])
+        reservation.view[:] = data
+        assert machine.clients[0].commit([reservation]) == [True]
+        with pytest.raises(AssertionError, match="holds the cache salt"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                target.events.check(5.0)
+                time.sleep(0.2)
+    finally:
+        machine.teardown()
+        target.close()
