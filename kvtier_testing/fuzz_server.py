@@ -15,6 +15,8 @@ The invariants, checked after every move:
   be committed by its owner, and the server counts each such naming (kvtier_foreign_handles);
 - a request without a session, with one the server never gave, or a hello with a wrong token
   is refused.
+- the KV events a subscriber gets never hold the cache salt, and announce only blocks of the
+  records stored (kvtier_testing/fuzz_events.py).
 """
 
 from __future__ import annotations
