@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeated_key_refused": stats["repeated_refused"],
         "stale_refused": stats["stale_refused"],
         "forged_refused": stats["forged_refused"],
+        "events_checked": stats["events_checked"],
         "servers_replaced": stats["server_replaced"],
         "max_call_s": round(target.max_call_s, 3),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],

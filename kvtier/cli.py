@@ -77,12 +77,16 @@ def _cache_aware(args: argparse.Namespace, instances):
     import msgspec
 
     from kvtier.router.cache_aware import CacheAware
+    from kvtier.wire.curve import ClientKeys
     from kvtier.server.lookup import BadLookup, NamespaceFields, parse_namespace
 
     if args.tokenizer is None or not os.path.isdir(args.tokenizer):
         raise ValueError("--policy cache-aware needs --tokenizer: the model's tokenizer folder (local)")
     if not any(i.events for i in instances):
         raise ValueError("--policy cache-aware needs each instance's KV events: --instance URL,events=tcp://HOST:PORT")
+    for instance in instances:
+        if instance.events_key is not None:  # a ConfigError names a missing or too open key file
+            instance.events_curve = ClientKeys.load(args.curve_secret_key, instance.events_key)
     namespace = None
     if args.kvtier_namespace is not None:
         if not any(i.kvtier for i in instances):
@@ -244,9 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--dir", default=".", help="folder to write them in (made 0700 if new)")
     router = commands.add_parser("router", help="OpenAI-compatible front for N vLLM instances",
                                  description="Routes each completion or chat completion to one vLLM instance.")
-    router.add_argument("--instance", action="append", default=[], metavar="URL[,events=EP][,kvtier=URL]",
+    router.add_argument("--instance", action="append", default=[], metavar="URL[,events=EP][,events_key=FILE][,kvtier=URL]",
                         help="a vLLM instance, repeatable: its OpenAI server (http://host:port), its KV-events "
-                             "endpoint (--kv-events-config) and its kvtier server's HTTP address")
+                             "endpoint (--kv-events-config), that publisher's CurveZMQ public key where it requires "
+                             "one, and its kvtier server's HTTP address")
+    router.add_argument("--curve-secret-key", default=None, metavar="FILE",
+                        help="cache-aware: the router's CurveZMQ key pair (NAME.key_secret), for events endpoints "
+                             "given with events_key=")
     router.add_argument("--policy", choices=POLICIES, default="cache-aware", help="how to pick (default cache-aware)")
     router.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="pd: the prefill instances")
     router.add_argument("--kvtier", default=None, metavar="URL", help="the kvtier server of every instance without one")

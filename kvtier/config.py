@@ -11,6 +11,7 @@ import msgspec
 
 from kvtier.errors import ConfigError
 from kvtier.schema import PositiveSeconds, convert, json_object
+from kvtier.server.events_endpoints import socket_path_fits
 from kvtier.tiers.memory import L1Config
 from kvtier.tiers.disk import FsAdapterConfig
 from kvtier.tiers.registry import ADAPTER_TYPES, Adapter, tier_ids
@@ -98,8 +99,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         'a model\'s tokenizer for /api/lookup with text, repeatable, e.g. \'{"model":"llama","path":"/models/llama"}\'',
         flag="--tokenizer",
     )] = []
+    kv_events_dir: Annotated[str | None, _meta(
+        "publish vLLM-format KV events on ipc://DIR/events (replay: ipc://DIR/replay), Unix sockets only "
+        "this server's user may open (the folder is made 0700); off by default")] = None
     kv_events_port: Annotated[Port | None, _meta(
-        "publish vLLM-format KV events (ZeroMQ PUB) on this port of --host; off by default")] = None
+        "publish vLLM-format KV events (ZeroMQ PUB) on this port of --host, with CurveZMQ only; off by default")] = None
     kv_events_replay_port: Annotated[Port | None, _meta(
         "replay socket of the KV events (default: --kv-events-port + 1)")] = None
     kv_events_buffer: Annotated[int, msgspec.Meta(ge=1, le=1_000_000), _meta(
@@ -120,6 +124,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
                 f"an HTTP port on {self.http_host} (not loopback) requires --admin-token (or KVTIER_ADMIN_TOKEN): "
                 "without it anyone who reaches the port may clear the cache (docs/security.md)"
             )
+        if self.kv_events_dir is not None:
+            if self.kv_events_port is not None:
+                raise ConfigError("give --kv-events-dir or --kv-events-port, not both")
+            if not socket_path_fits(self.kv_events_dir):
+                raise ConfigError(f"--kv-events-dir {self.kv_events_dir}: too long a path for a Unix socket; choose a shorter one")
         if self.kv_events_port is None:
             if self.kv_events_replay_port is not None:
                 raise ConfigError("--kv-events-replay-port needs --kv-events-port")
@@ -135,12 +144,22 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             if port in taken:
                 raise ConfigError(f"{flag} and {taken[port]} are both {port}")
             taken[port] = flag
+        if not self.uses_curve:
+            raise ConfigError(
+                f"--kv-events-port on {self.host} without CurveZMQ would give every user of this host the events "
+                "(prompt tokens): use --kv-events-dir DIR (sockets only this server's user may open) or turn on "
+                "CurveZMQ (--curve, --curve-secret-key, --curve-clients-dir); docs/security.md"
+            )
 
     @property
     def uses_curve(self) -> bool:
         """CurveZMQ on the data port: asked for, implied by the host, or keys given."""
         keys = (self.curve_secret_key, self.curve_clients_dir)
         return self.curve or not is_loopback(self.host) or any(k is not None for k in keys)
+
+    @property
+    def publishes_events(self) -> bool:
+        return self.kv_events_dir is not None or self.kv_events_port is not None
 
     @property
     def events_replay_port(self) -> int:

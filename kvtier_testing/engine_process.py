@@ -157,11 +157,12 @@ class EngineProcess:
         return self._reply(timeout)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 1, logprobs: int | None = None,
-                 timeout: float = 300, kv_transfer_params: dict | None = None, batch: bool = False) -> list[dict]:
+                 timeout: float = 300, kv_transfer_params: dict | None = None, batch: bool = False,
+                 cache_salt: str | None = None) -> list[dict]:
         """Greedy outputs of ``prompts``, one request at a time (``latency_s`` is each one's), or
         all submitted together with ``batch`` (then ``latency_s`` is until each finished)."""
         return self.call("generate", timeout, prompts=prompts, max_tokens=max_tokens, logprobs=logprobs,
-                         kv_transfer_params=kv_transfer_params, batch=batch)["outputs"]
+                         kv_transfer_params=kv_transfer_params, batch=batch, cache_salt=cache_salt)["outputs"]
 
     def drain(self, timeout: float = 60) -> dict:
         """Wait until the connector's queued saves are done; returns its stats."""
@@ -298,7 +299,8 @@ def _generate(llm, args: dict) -> dict:
     params = SamplingParams(max_tokens=args.get("max_tokens", 1), temperature=0.0, logprobs=args.get("logprobs"),
                             ignore_eos=True, extra_args=extra)
     outputs = []
-    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in args["prompts"]]
+    salt = {"cache_salt": args["cache_salt"]} if args.get("cache_salt") else {}
+    prompts = [TokensPrompt(prompt_token_ids=prompt, **salt) for prompt in args["prompts"]]
     if args.get("batch"):  # all at once: vLLM batches them
         started = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)

@@ -15,6 +15,8 @@ The invariants, checked after every move:
   be committed by its owner, and the server counts each such naming (kvtier_foreign_handles);
 - a request without a session, with one the server never gave, or a hello with a wrong token
   is refused.
+- the KV events a subscriber gets never hold the cache salt, and announce only blocks of the
+  records stored (kvtier_testing/fuzz_events.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from kvtier.objects import build_object
 from kvtier.wire import protocol as p
 from kvtier.wire.shm import ARENA_OFFSET, SharedArena, read_token
 from kvtier_testing.data_port_junk import dealer, pong_through, send_raw
+from kvtier_testing.fuzz_events import EventsProbe
 from kvtier_testing.kvtier_processes import ServerProcess
 
 #: 1 KiB a token: objects of 4 to 48 KiB, a dozen or two of which fill L1 (evictions are frequent).
@@ -100,8 +103,10 @@ class FuzzTarget:
         """``salt``: the examples' keys (and so their objects' sizes) follow from it."""
         self.salt = salt
         l2 = {"type": "fs", "base_path": str(workdir / "l2"), "max_capacity_gb": DISK_GB}
+        self.events = EventsProbe(workdir)
         self.server = ServerProcess(workdir, "--l2-adapter", json.dumps(l2), "--lease-timeout-s", str(LEASE_S),
-                                    "--admin-token", TOKEN, "--max-workers", "2", l1_gb=L1_GB, chunk_size=CHUNK)
+                                    "--admin-token", TOKEN, "--max-workers", "2", *self.events.server_flags(),
+                                    l1_gb=L1_GB, chunk_size=CHUNK)
         self.context = zmq.Context()
         self.stats: Counter = Counter()
         self.max_call_s = 0.0
@@ -115,6 +120,7 @@ class FuzzTarget:
         return self
 
     def close(self) -> None:
+        self.events.close()
         self.server.stop()
         self.context.term()
 
@@ -300,7 +306,8 @@ class ServerFuzz(RuleBasedStateMachine):
         self.stored.update(keys)
         client = self.clients[c]
         with _timed(self.target, "a store"):
-            reservations = [r for r in client.reserve([(k, len(self.objects[k])) for k in keys]) if r is not None]
+            records = self.target.events.records(keys, [self.objects[k] for k in keys])
+            reservations = [r for r in client.reserve([(k, len(self.objects[k])) for k in keys], records) if r is not None]
             for r in reservations:
                 r.view[:] = self.objects[r.key]
             committed = client.commit(reservations)
@@ -395,6 +402,12 @@ class ServerFuzz(RuleBasedStateMachine):
         if now != 2:
             return
         self.count("cleared_objects", self.sessions[0].clear())
+
+    @rule()
+    @traced
+    def events(self):
+        """A subscriber of the server's KV events checks what it got (kvtier_testing/fuzz_events.py)."""
+        self.count("events_checked", self.target.events.check(ANSWER_S))
 
     # -- raw sessions: their handles in plain sight ------------------------------------------
 

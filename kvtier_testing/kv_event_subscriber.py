@@ -2,7 +2,8 @@
 (``vllm.distributed.kv_events``) and vLLM's framing, as a router's indexer would be: the tests
 point it at vLLM's publisher and at kvtier's, unchanged.
 
-    sub = EventSubscriber("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")
+    sub = EventSubscriber("ipc:///run/kvtier/events", "ipc:///run/kvtier/replay")
+    sub = EventSubscriber("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", curve=ClientKeys.load(...))
     messages = sub.replay(0)            # everything the publisher still buffers
     blocks = holdings(messages)         # what the stream says is held, per tier
 """
@@ -16,6 +17,8 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+from kvtier.wire.curve import ClientKeys
+
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 END_SEQ = -1
 
@@ -24,21 +27,24 @@ class Message(NamedTuple):
     topic: str
     seq: int
     batch: KVEventBatch
+    payload: bytes  # as received: a check for what no event may hold looks at every byte
 
 
 def _message(frames: list[bytes]) -> Message:
     topic, seq, payload = frames
-    return Message(topic.decode(), int.from_bytes(seq, "big"), _decoder.decode(payload))
+    return Message(topic.decode(), int.from_bytes(seq, "big"), _decoder.decode(payload), payload)
 
 
 class EventSubscriber:
     """A SUB socket (``bind=True`` where the publisher connects, as vLLM's does to a non-wildcard
-    endpoint) and, if given, the publisher's replay endpoint."""
+    endpoint) and, if given, the publisher's replay endpoint; ``curve``: the keys a CurveZMQ
+    publisher (a kvtier server with CurveZMQ on) asks for."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: bytes = b"", bind: bool = False) -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: bytes = b"", bind: bool = False,
+                 curve: ClientKeys | None = None) -> None:
         self._context = zmq.Context()
-        self._sub = self._context.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
+        self._curve = curve
+        self._sub = self._socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         (self._sub.bind if bind else self._sub.connect)(endpoint)
         self._replay_endpoint = replay_endpoint
@@ -84,8 +90,7 @@ class EventSubscriber:
     def replay(self, start: int, timeout_s: float = 10.0) -> list[Message]:
         """vLLM's replay protocol: the start sequence number as 8 big-endian bytes; batches come
         back until the end marker."""
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._socket(zmq.DEALER)
         sock.connect(self._replay_endpoint)
         try:
             sock.send_multipart([b"", start.to_bytes(8, "big")])
@@ -100,6 +105,13 @@ class EventSubscriber:
                 messages.append(_message(frames))
         finally:
             sock.close()
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.apply(sock)
+        return sock
 
     def close(self) -> None:
         self._sub.close()

@@ -1,4 +1,4 @@
-"""``kvtier server --kv-events-port``: vLLM-format KV events that say exactly what the tiers hold.
+"""``kvtier server --kv-events-dir``: vLLM-format KV events that say exactly what the tiers hold.
 
 Every check reads the stream with a subscriber written against vLLM's own event structs
 (kvtier_testing/kv_event_subscriber.py), from real server processes.
@@ -25,6 +25,7 @@ from kvtier.events import BlockRecord, decode_record
 from kvtier.keys import ChunkSpan
 from kvtier.objects import HEADER_SIZE
 from kvtier.wire import protocol as p
+from kvtier.wire.curve import generate
 from kvtier_testing.data_port_junk import open_session
 from kvtier_testing.kv_event_subscriber import EventSubscriber, holdings
 from kvtier_testing.kvtier_processes import ServerProcess
@@ -106,21 +107,20 @@ def settled(sub: EventSubscriber, work: Workload, disk: Path, timeout_s: float =
         time.sleep(0.2)
 
 
-def events_server(tmp_path: Path, *flags: str, l1_gb: float = 0.0004) -> tuple[ServerProcess, int]:
-    port, replay = free_port(), free_port()
-    server = ServerProcess(tmp_path, "--kv-events-port", str(port), "--kv-events-replay-port", str(replay),
-                           "--kv-events-source", "test", *flags, l1_gb=l1_gb)
-    return server, port
+def events_server(tmp_path: Path, *flags: str, l1_gb: float = 0.0004) -> tuple[ServerProcess, str, str]:
+    """A server publishing its events on ipc sockets in ``tmp_path/events``; their endpoints."""
+    folder = tmp_path / "events"
+    server = ServerProcess(tmp_path, "--kv-events-dir", str(folder), "--kv-events-source", "test", *flags, l1_gb=l1_gb)
+    return server, f"ipc://{folder}/events", f"ipc://{folder}/replay"
 
 
 @pytest.mark.slow
 def test_replay_from_start_equals_what_the_tiers_hold_through_evictions_corruption_clear_and_restart(tmp_path):
     disk = tmp_path / "l2"
     adapter = json.dumps({"type": "fs", "base_path": str(disk), "max_capacity_gb": 0.0001})
-    server, port = events_server(tmp_path, "--l2-adapter", adapter, l1_gb=0.00015)
+    server, url, replay_url = events_server(tmp_path, "--l2-adapter", adapter, l1_gb=0.00015)
     server.start()
-    replay_url = f"tcp://127.0.0.1:{server.args[server.args.index('--kv-events-replay-port') + 1]}"
-    live = EventSubscriber(f"tcp://127.0.0.1:{port}", replay_url)
+    live = EventSubscriber(url, replay_url)
     work = Workload(server)
     try:
         for i in range(16):  # 64 objects: L1 holds about 14, the disk about 24
@@ -180,10 +180,9 @@ def test_replay_from_start_equals_what_the_tiers_hold_through_evictions_corrupti
 
 @pytest.mark.slow
 def test_a_subscriber_fills_a_gap_from_the_replay_socket_within_its_bound(tmp_path):
-    server, port = events_server(tmp_path, "--kv-events-buffer", "6", l1_gb=0.01)
+    server, url, replay_url = events_server(tmp_path, "--kv-events-buffer", "6", l1_gb=0.01)
     server.start()
-    replay_url = f"tcp://127.0.0.1:{server.args[server.args.index('--kv-events-replay-port') + 1]}"
-    sub = EventSubscriber(f"tcp://127.0.0.1:{port}", replay_url)
+    sub = EventSubscriber(url, replay_url)
     work = Workload(server)
     try:
         for i in range(10):
@@ -234,25 +233,29 @@ def test_bad_kv_events_flags_and_a_port_in_use_are_clear_errors(tmp_path):
         (["--port", "6000", "--kv-events-port", "6000"], "--kv-events-port and --port are both 6000"),
         (["--kv-events-port", "6000", "--kv-events-buffer", "0"], "--kv-events-buffer: Expected `int` >= 1"),
         (["--kv-events-port", "6000", "--kv-events-source", "a@b"], "--kv-events-source: Expected `str` matching"),
+        (["--kv-events-port", "6000"], "--kv-events-port on 127.0.0.1 without CurveZMQ would give every user"),
+        (["--kv-events-dir", str(tmp_path), "--kv-events-port", "6000"], "give --kv-events-dir or --kv-events-port"),
+        (["--kv-events-dir", str(tmp_path / ("x" * 120))], "too long a path for a Unix socket"),
     ]:
         code, stderr = kvtier_server_fails(*flags)
         assert code == 2 and message in stderr, (flags, stderr)
+    server_key, client_key = generate(tmp_path / "keys", "server")[1], generate(tmp_path / "clients", "router")[0]
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         code, stderr = kvtier_server_fails("--port", str(free_port()), "--http-port", str(free_port()),
-                                           "--kv-events-port", str(port))
-    assert code == 1 and f"cannot bind the kv events port 127.0.0.1:{port}" in stderr, stderr
+                                           "--kv-events-port", str(port), "--curve-secret-key", str(server_key),
+                                           "--curve-clients-dir", str(client_key.parent))
+    assert code == 1 and f"cannot bind the kv events socket tcp://127.0.0.1:{port}" in stderr, stderr
 
 
 @pytest.mark.slow
 def test_bad_block_records_are_refused_or_left_unpublished(tmp_path):
     disk = tmp_path / "l2"
-    server, port = events_server(tmp_path, "--l2-adapter", json.dumps({"type": "fs", "base_path": str(disk)}))
+    server, url, replay_url = events_server(tmp_path, "--l2-adapter", json.dumps({"type": "fs", "base_path": str(disk)}))
     server.start()
-    replay_url = f"tcp://127.0.0.1:{server.args[server.args.index('--kv-events-replay-port') + 1]}"
-    sub = EventSubscriber(f"tcp://127.0.0.1:{port}", replay_url)
+    sub = EventSubscriber(url, replay_url)
     work = Workload(server)
     try:
         toks = tokens(7000, 2 * CHUNK)

@@ -184,7 +184,9 @@ def test_bad_instance_specs_are_refused():
     instance = parse_instance("http://h:1/,events=tcp://h:2,kvtier=http://k:3")
     assert (instance.url, instance.events, instance.kvtier) == ("http://h:1", "tcp://h:2", "http://k:3")
     assert parse_instance("http://h:1", kvtier="http://k:9").kvtier == "http://k:9"
-    for spec in ("h:1", "http://h:1,colour=red", "http://h:1,events=h:2", "http://h:1,kvtier=k:3", "http://h:1,events="):
+    assert parse_instance("http://h:1,events=tcp://h:2,events_key=/k/server.key").events_key == "/k/server.key"
+    for spec in ("h:1", "http://h:1,colour=red", "http://h:1,events=h:2", "http://h:1,kvtier=k:3", "http://h:1,events=",
+                 "http://h:1,events_key=/k/server.key"):
         with pytest.raises(ValueError):
             parse_instance(spec)
 
@@ -192,7 +194,11 @@ def test_bad_instance_specs_are_refused():
 @pytest.mark.slow
 def test_cli_names_what_is_wrong():
     cases = [(["router"], "--instance"), (["router", "--instance", "http://a", "--policy", "pd"], "--prefill"),
-             (["router", "--instance", "http://a"], "--tokenizer")]
+             (["router", "--instance", "http://a"], "--tokenizer"),
+             (["router", "--instance", "http://a,events=tcp://h:1,events_key=/nowhere/server.key", "--tokenizer", "/"],
+              "CurveZMQ needs both the client's key (.key_secret) and the server's public key"),
+             (["router", "--instance", "http://a,events=tcp://h:1,events_key=/nowhere/server.key", "--tokenizer", "/",
+               "--curve-secret-key", "/nowhere/router.key_secret"], "/nowhere/router.key_secret does not exist")]
     for args, words in cases:
         out = subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)

@@ -66,7 +66,8 @@ class CacheAware(Policy):
         self.hasher = BlockHasher(hash_algorithm)
         self.index = PrefixIndex()
         self._context = zmq.Context()
-        self.subscribers = [EventSubscriber(self.index, i.url, i.events, self._context) for i in instances if i.events]
+        self.subscribers = [EventSubscriber(self.index, i.url, i.events, self._context, i.events_curve)
+                            for i in instances if i.events]
         self.admin_token = admin_token  # "": the token each kvtier server on this host made (admin_token.py)
         self._kvtier = httpx.AsyncClient(timeout=lookup_timeout_s)
         self.counts = {"scored": 0, "unscored": 0, "expected_local_tokens": 0, "expected_kvtier_tokens": 0,

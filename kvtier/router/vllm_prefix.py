@@ -34,6 +34,8 @@ from typing import Sequence
 
 import zmq
 
+from kvtier.wire.curve import ClientKeys
+
 log = logging.getLogger(__name__)
 
 #: vLLM's media for its own device cache (None: older engines that do not say).
@@ -130,14 +132,18 @@ class PrefixIndex:
 
 
 class EventSubscriber:
-    """A thread per endpoint that applies vLLM's KV event batches to the index."""
+    """A thread per endpoint that applies vLLM's KV event batches to the index; ``curve``: the
+    router's keys for a publisher that requires CurveZMQ (a kvtier server off loopback)."""
 
-    def __init__(self, index: PrefixIndex, key: str, endpoint: str, context: zmq.Context) -> None:
+    def __init__(self, index: PrefixIndex, key: str, endpoint: str, context: zmq.Context,
+                 curve: ClientKeys | None = None) -> None:
         self.index, self.key, self.endpoint = index, key, endpoint
         self.batches = 0
         self.gaps = 0
         self._stop = threading.Event()
         self._socket = context.socket(zmq.SUB)
+        if curve is not None:
+            curve.apply(self._socket)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVTIMEO, _POLL_MS)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")

@@ -1,4 +1,4 @@
-"""``kvtier server --kv-events-port``: the store's events, published as vLLM's KV events.
+"""``kvtier server --kv-events-dir`` / ``--kv-events-port``: the store's events, published as vLLM's KV events.
 
 ``BlockIndex`` turns the tiers' events (an object stored, removed, a tier cleared) into vLLM's
 ``BlockStored`` / ``BlockRemoved`` from the block records kept with the objects. It counts, per
@@ -7,7 +7,8 @@ once when the first object holding it arrives and withdrawn when the last one go
 chunk and its full chunk share blocks). A subscriber that applies the stream from its start
 therefore holds exactly the blocks the tiers hold.
 
-``KVEventPublisher`` sends them with vLLM's framing (kvtier.wire.kv_events): a PUB socket, one
+``KVEventPublisher`` sends them with vLLM's framing (kvtier.wire.kv_events), to the subscribers
+the operator admits (kvtier.server.events_endpoints): a PUB socket, one
 sequence number per batch, the last ``buffer`` batches kept for the replay socket. At start it
 publishes ``AllBlocksCleared`` (whatever an earlier run of this server said is void) and then what
 the tiers hold (a disk tier's objects survive restarts); afterwards it wakes on every event (no
@@ -31,9 +32,11 @@ from typing import Iterable
 import zmq
 
 from kvtier.events import BlockRecord, CacheEvent, decode_record
+from kvtier.server.events_endpoints import EventsEndpoints
 from kvtier.store import TieredStore
 from kvtier.tiers.base import Tier
 from kvtier.wire import kv_events as w
+from kvtier.wire.curve import ServerKeys
 
 log = logging.getLogger(__name__)
 
@@ -134,15 +137,16 @@ class KVEventPublisher:
         self,
         store: TieredStore,
         context: zmq.Context,
-        host: str,
-        port: int,
-        replay_port: int,
+        endpoints: EventsEndpoints,
         buffer: int,
         source: str = "",
+        curve: ServerKeys | None = None,
     ) -> None:
-        """Binds both sockets now: a port in use is an ``OSError`` naming it, and leaves nothing
-        bound."""
+        """Binds both sockets now (CurveZMQ servers with ``curve``: only its allowed clients
+        subscribe; ipc sockets 0600 in their private folder): a port in use is an ``OSError``
+        naming it, and leaves nothing bound."""
         self.store = store
+        self.endpoints = endpoints
         self.source = source or socket.gethostname()
         self.index = BlockIndex(self.source)
         self._tiers = {tier.name: tier for tier in store.tiers if tier.keeps_records}
@@ -159,15 +163,19 @@ class KVEventPublisher:
         self._woken = False
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        address = f"[{host}]" if ":" in host else host
         try:
-            for sock, what, number in ((self._pub, "kv events", port), (self._replay, "kv events replay", replay_port)):
-                if ":" in host:
+            for sock, what, endpoint in ((self._pub, "kv events", endpoints.publish),
+                                         (self._replay, "kv events replay", endpoints.replay)):
+                if curve is not None:
+                    curve.apply(sock)
+                if endpoint.startswith("tcp://["):
                     sock.setsockopt(zmq.IPV6, 1)
                 try:
-                    sock.bind(f"tcp://{address}:{number}")
+                    sock.bind(endpoint)
                 except zmq.ZMQError as exc:
-                    raise OSError(exc.errno, f"cannot bind the {what} port {host}:{number}: {exc.strerror}") from None
+                    raise OSError(exc.errno, f"cannot bind the {what} socket {endpoint}: {exc.strerror}") from None
+            for path in endpoints.sockets():
+                path.chmod(0o600)
         except BaseException:
             self.close()
             raise
@@ -198,6 +206,8 @@ class KVEventPublisher:
     def close(self) -> None:
         for sock in (self._pub, self._replay):
             sock.close(linger=0)
+        for path in self.endpoints.sockets():
+            path.unlink(missing_ok=True)
         fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in fds:
             if fd >= 0:

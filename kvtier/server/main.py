@@ -31,6 +31,7 @@ from kvtier.config import ServerConfig
 from kvtier.metrics import ServerMetrics
 from kvtier.server.admin_token import AdminToken
 from kvtier.server.http import HttpServer, create_app
+from kvtier.server.events_endpoints import EventsEndpoints
 from kvtier.server.kv_events import KVEventPublisher
 from kvtier.server.lookup import LookupApi, Tokenizers
 from kvtier.server.service import CacheService
@@ -60,6 +61,7 @@ class KvtierServer:
         self.config = config
         # keys first: a missing or too open key file stops the start before anything is made
         self.curve = ServerKeys.load(config.curve_secret_key, config.curve_clients_dir) if config.uses_curve else None
+        self.events_endpoints = _events_endpoints(config)  # its folder made private, or refused, likewise
         l1_bytes = int(config.store.l1.size_gb * (1 << 30)) // 4096 * 4096
         self.arena = SharedArena.create(l1_bytes)
         try:
@@ -78,7 +80,7 @@ class KvtierServer:
             admin_token=config.admin_token,
             status_extra=lambda: {"config": config.redacted(), "connected_clients": self._clients,
                                   "curve": self.curve is not None, "refused_peers": self._refused},
-            publishes_events=config.kv_events_port is not None,
+            publishes_events=config.publishes_events,
             admits_every_peer=self.curve is not None,
         )
         self._ready = threading.Event()
@@ -108,10 +110,10 @@ class KvtierServer:
                 self._authenticator = self.curve.authenticator(self._context)  # before a peer can knock
                 self.curve.apply(frontend)
             frontend.bind(f"tcp://{host}:{self.config.port}")
-            if self.config.kv_events_port is not None:
+            if self.events_endpoints is not None:
                 self.kv_events = KVEventPublisher(
-                    self.store, self._context, self.config.host, self.config.kv_events_port,
-                    self.config.events_replay_port, self.config.kv_events_buffer, self.config.kv_events_source,
+                    self.store, self._context, self.events_endpoints, self.config.kv_events_buffer,
+                    self.config.kv_events_source, self.curve,
                 )
             lookup = LookupApi(self.store, self.metrics, Tokenizers(self.config.tokenizers))
             self.http = HttpServer(create_app(self.service, self.metrics, self._ready.is_set, lookup, self.admin_token),
@@ -141,9 +143,10 @@ class KvtierServer:
             self.kv_events.start()
         self.http.start()
         self._ready.set()
-        log.info("kvtier server ready: data tcp://%s:%d (CurveZMQ %s), http %s:%d (admin token %s), shared memory %s",
+        log.info("kvtier server ready: data tcp://%s:%d (CurveZMQ %s), http %s:%d (admin token %s), shared memory %s, kv events %s",
                  self.config.host, self.config.port, "on" if self.curve else "off", self.config.http_host,
-                 self.http.port, self.admin_token.path or "given", self.arena.path or "off")
+                 self.http.port, self.admin_token.path or "given", self.arena.path or "off",
+                 f"{self.events_endpoints.publish} (replay {self.events_endpoints.replay})" if self.events_endpoints else "off")
 
     def stop(self, deadline_s: float = STOP_DEADLINE_S) -> bool:
         """Stop serving and release everything, waiting for the threads until ``deadline_s`` from
@@ -299,6 +302,14 @@ class KvtierServer:
             else:
                 in_flight.append((tracker, after_send))
         return in_flight
+
+
+def _events_endpoints(config: ServerConfig) -> EventsEndpoints | None:
+    if config.kv_events_dir is not None:
+        return EventsEndpoints.ipc(config.kv_events_dir)
+    if config.kv_events_port is not None:
+        return EventsEndpoints.tcp(config.host, config.kv_events_port, config.events_replay_port)
+    return None
 
 
 def _drain(sock: zmq.Socket, handle: Callable[[list], None]) -> None:

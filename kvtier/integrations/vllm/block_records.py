@@ -3,6 +3,10 @@
 tokens (its block size, hash algorithm and seed, parent chaining, LoRA and cache_salt extra keys)
 and a router that indexes vLLM's events matches kvtier's without new code.
 
+The request's cache salt is left out of the record's extra keys: it keeps tenants from probing
+each other's cache, so it never leaves the engine (the block hashes already bind it, which is all
+a router needs to match them; docs/security.md, "KV events").
+
 Nothing is hashed here: the hashes are the request's ``block_hashes``, which vLLM computes
 whenever a KV connector is configured, converted for events exactly as vLLM's block pool does
 (``maybe_convert_block_hash``: bytes, or ints under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
@@ -41,7 +45,7 @@ def block_records(
         extra_keys, mm_index = [], 0
         for block in range(first, end):
             keys, mm_index = generate_block_hash_extra_keys(request, block * block_size, (block + 1) * block_size, mm_index)
-            extra_keys.append(keys)
+            extra_keys.append(_without_salt(keys))
         lora = request.lora_request
         record = BlockRecord(
             model=model,
@@ -56,3 +60,9 @@ def block_records(
         )
         records[(span.start, span.end)] = record.encode()
     return records
+
+
+def _without_salt(keys: tuple | None) -> tuple | None:
+    """A block's extra keys (vLLM's tagged form) less the ``cache_salt`` one; None if none is left."""
+    kept = tuple(key for key in keys or () if key[0] != "cache_salt")
+    return kept or None
