@@ -129,3 +129,37 @@ def test_every_figure_a_step_moves_reaches_vllms_stats(steps):
     expected = Counter({k: v for k, v in expected.items() if v})
     assert expected["lookups"] == 4 and expected["saves"] >= 4 and expected["loaded_tokens"] > 0
     assert {k: pytest.approx(v) for k, v in expected.items()} == {k: v for k, v in sent.items() if v}
+
+
+@pytest.mark.parametrize("as_ints", [False, True])
+def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypatch, as_ints):
+    """The records of a save read vLLM's hash setting once a call, not once a block (each read
+    looks into the environment), and still give the hashes vLLM's own events give."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from kvtier.events import decode_record
+    from kvtier.integrations.vllm.block_records import block_records
+    from kvtier.keys import ChunkSpan
+
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if as_ints else "0")
+    reads = Counter()
+    read_setting = vllm.envs.__getattr__
+
+    def counted(name):
+        reads[name] += 1
+        return read_setting(name)
+
+    monkeypatch.setattr(vllm.envs, "__getattr__", counted)
+    hashes = [bytes([i]) * 32 for i in range(1, 9)]
+    request = SimpleNamespace(block_hashes=hashes, mm_features=[], lora_request=None, cache_salt=None, prompt_embeds=None)
+    tokens = _tokens(7, 8 * 4)
+    spans = [ChunkSpan(b"k1", 0, 16), ChunkSpan(b"k2", 16, 32)]
+    records = {span: decode_record(data) for span, data in block_records(request, tokens, spans, 4, "m", 0).items()}
+    if not as_ints:  # converted, each hash reads the setting again (vLLM's function)
+        assert reads["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == 1
+    assert records[(16, 32)].block_hashes == [maybe_convert_block_hash(h) for h in hashes[4:8]]
+    assert records[(16, 32)].parent_block_hash == maybe_convert_block_hash(hashes[3])
+    assert records[(0, 16)].parent_block_hash is None and records[(0, 16)].token_ids == tokens[:16]
+    assert all(isinstance(h, int) == as_ints for r in records.values() for h in r.block_hashes)
