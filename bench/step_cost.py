@@ -375,15 +375,27 @@ def store_contexts(engine: SteppedEngine, s: Settings) -> list[list[int]]:
     return contexts
 
 
-def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
-    """The fastest of ``repeats`` plain copies of ``nbytes`` between two buffers (touched first)."""
-    src, dst = np.ones(max(int(nbytes), 1), np.uint8), np.zeros(max(int(nbytes), 1), np.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - started)
-    return best
+#: The plain memcpy's buffers: larger than any CPU cache, so that each copy, like the KV copies it
+#: is set beside (pages no step touched lately, into a staging ring), reads and writes cold memory.
+MEMCPY_POOL = 256 << 20
+
+
+def memcpy_seconds(sizes, repeats: int = 5) -> dict[float, float]:
+    """For each size in bytes, the median of ``repeats`` plain copies (``np.copyto``), each between
+    parts of two pools (touched once first) that the copies before it did not touch."""
+    sizes = [max(int(size), 1) for size in sizes]
+    pool = max([MEMCPY_POOL, *((repeats + 1) * size for size in sizes)])
+    src, dst = np.ones(pool, np.uint8), np.ones(pool, np.uint8)
+    seconds = {}
+    for size in sizes:
+        times = []
+        for i in range(repeats):
+            part = slice(i * size, (i + 1) * size)
+            started = time.perf_counter()
+            np.copyto(dst[part], src[part])
+            times.append(time.perf_counter() - started)
+        seconds[size] = statistics.median(times)
+    return seconds
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -407,7 +419,7 @@ def summarize(rounds: list[dict[str, list[Sample]]], memcpy_s: dict[float, float
             "round_p50s_us": [round(_pct([x.hooks_s * 1e6 for x in r[workload]], 50), 1) for r in rounds],
             "scheduler_us_p50": round(_pct([x.scheduling_s * 1e6 for x in samples], 50), 1),
             "vs_scheduler": round(statistics.median(ratios), 4),
-            "copy_vs_memcpy": (round(statistics.median(memcpy_s[x.copy_bytes] / x.copy_s for x in copied), 3)
+            "copy_vs_memcpy": (round(statistics.median(memcpy_s[int(x.copy_bytes)] / x.copy_s for x in copied), 3)
                                if copied else None),
             "copy_mb": round(statistics.median(x.copy_bytes for x in copied) / 1e6, 2) if copied else 0.0,
             "steps_per_sample": statistics.median(x.steps for x in samples),
@@ -489,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     if profiler is not None:
         profiler.dump_stats(args.profile)
     sizes = {x.copy_bytes for by in rounds.values() for r in by for samples in r.values() for x in samples if x.copy_bytes}
-    memcpy_s = {size: memcpy_seconds(size) for size in sizes}
+    memcpy_s = memcpy_seconds(sizes)
     workloads: dict[str, dict] = defaultdict(dict)
     for name, by in rounds.items():
         for w, figures in summarize(by, memcpy_s).items():
