@@ -157,8 +157,7 @@ def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypat
     tokens = _tokens(7, 8 * 4)
     spans = [ChunkSpan(b"k1", 0, 16), ChunkSpan(b"k2", 16, 32)]
     records = {span: decode_record(data) for span, data in block_records(request, tokens, spans, 4, "m", 0).items()}
-    if not as_ints:  # converted, each hash reads the setting again (vLLM's function)
-        assert reads["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == 1
+    assert reads["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == 1
     assert records[(16, 32)].block_hashes == [maybe_convert_block_hash(h) for h in hashes[4:8]]
     assert records[(16, 32)].parent_block_hash == maybe_convert_block_hash(hashes[3])
     assert records[(0, 16)].parent_block_hash is None and records[(0, 16)].token_ids == tokens[:16]
