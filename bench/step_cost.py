@@ -19,8 +19,9 @@ Workloads (``--decodes`` names the first two):
                          16-token question, among 64 decodes: every step from its arrival to its
                          first token is one sample
 
-Connectors: ``kvtier``; ``none`` (vLLM alone, its scheduling time the reference); ``lmcache``
-(vLLM's LMCacheMPConnector, where ``make peers`` built LMCache; otherwise the JSON says why not).
+Connectors: ``kvtier``; ``none`` (vLLM alone, its scheduling time the reference); ``lmcache``,
+vLLM's LMCacheMPConnector, is not stepped yet (it needs LMCache's server process, from ``make
+peers``): its entry in the JSON says why, by name, and the bar against it is not judged.
 vLLM's own prefix cache is off, so that a hit is kvtier's to load. The model's KV: 8 layers of
 2 KV heads of 64 in bfloat16 (4 KiB a token: 4096 tokens are 16 MiB), blocks of 16 tokens,
 vLLM's CPU page layout.
@@ -28,8 +29,12 @@ vLLM's CPU page layout.
 Figures per workload and connector: per-sample hook time (p50, p99, and the spread of the
 rounds' p50s), its ratio to vLLM's own scheduling time of the same samples with the copies taken
 out (``vs_scheduler``, median of per-sample ratios), and where KV moves the copies' speed over a
-plain memcpy of the same bytes timed in the same run (``copy_vs_memcpy``). The connectors take
-turns round by round (``--rounds``); the load average is printed at the start and the end.
+plain memcpy of the same bytes timed in the same run, both reading and writing cold memory
+(``copy_vs_memcpy``). Every step also times a call of a function that does nothing (the
+control: what a call costs in the machine's state of that step, as after vLLM's walk of a big
+batch). The hook times include the timers' own cost (well under a microsecond a call). The
+connectors take turns round by round (``--rounds``); the load average is printed at the start
+and the end.
 Prints tables and, as the last line, one JSON object
 ``{"workloads": {w: {connector: {"hook_us_p50", "hook_us_p99", "vs_scheduler", "copy_vs_memcpy"}}}}``;
 ``--check`` exits 1 when a bar of issue 43 is missed.
@@ -61,10 +66,17 @@ SCHEDULER_HOOKS = (
     "update_connector_output", "request_finished", "request_finished_all_groups", "get_kv_connector_stats",
     "take_events", "on_new_request", "get_loaded_kv_cache_group_ids", "has_pending_block_frees", "has_pending_push_work",
 )
+#: A timed call of a function that does nothing, after each step's hooks: the control, what a
+#: call costs in the machine's state of the moment (cold caches after vLLM's walk of a big batch).
+CONTROL = "control"
 DECODE_HOOK_US = 50.0
 DECODE_GROWTH = 1.2
 VS_SCHEDULER = 0.10
 COPY_VS_MEMCPY = 0.8
+
+
+def _nothing() -> None:
+    return None
 
 
 class HookTimer:
@@ -139,9 +151,10 @@ class Sample:
     scheduling_s: float = 0.0
     steps: int = 0
     by_hook: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    control_s: float = 0.0  # the control call's time (CONTROL), in no hook's
 
     def add(self, other: "Sample") -> None:
-        for name in ("hooks_s", "engine_copy_s", "copy_s", "copy_bytes", "scheduling_s", "steps"):
+        for name in ("hooks_s", "engine_copy_s", "copy_s", "copy_bytes", "scheduling_s", "steps", "control_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name, seconds in other.by_hook.items():
             self.by_hook[name] += seconds
@@ -265,11 +278,13 @@ class SteppedEngine:
         started = time.perf_counter()
         self.scheduler.update_from_output(output, runner_output)
         updated_s = time.perf_counter() - started
+        self.hooks.wrap(CONTROL, _nothing)()
         by_hook = self.hooks.take()
+        control_s = by_hook.pop(CONTROL)
         engine_copy_s, copy_s, copy_bytes = self.copies.take()
         scheduler_hooks_s = sum(by_hook[name] for name in SCHEDULER_HOOKS if name in by_hook)
         return Sample(sum(by_hook.values()), engine_copy_s, copy_s, copy_bytes,
-                      scheduled_s + updated_s - scheduler_hooks_s, 1, by_hook)
+                      scheduled_s + updated_s - scheduler_hooks_s, 1, by_hook, control_s)
 
     def _worker_step(self, output):
         """The worker-role connector's hooks of one step, in the model runner's order
@@ -418,6 +433,7 @@ def summarize(rounds: list[dict[str, list[Sample]]], memcpy_s: dict[float, float
             "hook_us_p50": round(_pct(hooks_us, 50), 1), "hook_us_p99": round(_pct(hooks_us, 99), 1),
             "round_p50s_us": [round(_pct([x.hooks_s * 1e6 for x in r[workload]], 50), 1) for r in rounds],
             "scheduler_us_p50": round(_pct([x.scheduling_s * 1e6 for x in samples], 50), 1),
+            "control_us_p50": round(_pct([x.control_s * 1e6 for x in samples], 50), 2),
             "vs_scheduler": round(statistics.median(ratios), 4),
             "copy_vs_memcpy": (round(statistics.median(memcpy_s[int(x.copy_bytes)] / x.copy_s for x in copied), 3)
                                if copied else None),
@@ -521,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_tables(workloads: dict) -> None:
     print(f"\n{'workload':<11}{'connector':<9}{'hook p50 us':>12}{'p99':>9}{'rounds p50':>22}{'vLLM sched p50':>15}"
-          f"{'vs sched':>9}{'steps':>6}{'copy MB':>8}{'vs memcpy':>10}")
+          f"{'vs sched':>9}{'steps':>6}{'copy MB':>8}{'vs memcpy':>10}{'control us':>11}")
     for w, by in workloads.items():
         for name, f in by.items():
             if "hook_us_p50" not in f:
@@ -530,7 +546,7 @@ def _print_tables(workloads: dict) -> None:
             spread = ",".join(f"{x:g}" for x in f["round_p50s_us"])
             copy = f"{f['copy_vs_memcpy']:.2f}" if f["copy_vs_memcpy"] is not None else "-"
             print(f"{w:<11}{name:<9}{f['hook_us_p50']:>12.1f}{f['hook_us_p99']:>9.1f}{spread:>22}{f['scheduler_us_p50']:>15.1f}"
-                  f"{f['vs_scheduler']:>9.3f}{f['steps_per_sample']:>6g}{f['copy_mb']:>8.2f}{copy:>10}")
+                  f"{f['vs_scheduler']:>9.3f}{f['steps_per_sample']:>6g}{f['copy_mb']:>8.2f}{copy:>10}{f['control_us_p50']:>11.2f}")
     print("\nkvtier's hooks, p50 us a sample:")
     for w, by in workloads.items():
         hooks = by.get("kvtier", {}).get("by_hook_us_p50", {})
