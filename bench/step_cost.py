@@ -3,8 +3,10 @@
 in the scheduler role inside vLLM's scheduler, and in the worker role stepped as vLLM's model
 runner steps it: bind, start_load_kv, each layer's wait_for_layer_load and save_kv_layer,
 wait_for_save, get_transfer_results, get_block_ids_with_load_errors, get_kv_connector_stats,
-build_connector_worker_meta, clear), over an embedded store. The forward pass is left out: the
-model runner's output samples one token for each request whose prompt the step completes.
+build_connector_worker_meta, clear), over an embedded store. No model: the model runner's
+output samples one token for each request whose prompt the step completes, and the forward
+pass is a sleep of ``--forward-ms`` (a GPU's time: the engine's thread waits, the GIL
+free for kvtier's loader and saver threads, as on a GPU host).
 
 Per step it times every connector hook (the scheduler side's from inside vLLM's ``schedule`` and
 ``update_from_output``, the worker side's as called), the KV copies inside them (pages to and
@@ -205,7 +207,7 @@ class SteppedEngine:
     """vLLM's scheduler with ``connector`` (``kvtier`` or ``none``) and, for kvtier, the worker-role
     connector over vLLM's KV tensors, stepped without a model."""
 
-    def __init__(self, connector: str, num_blocks: int, extra: dict, seed: int) -> None:
+    def __init__(self, connector: str, num_blocks: int, extra: dict, seed: int, forward_s: float = 0.0) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -243,6 +245,7 @@ class SteppedEngine:
             if worker.loader is not None:
                 self.copies.wrap_pages(worker.loader.async_pages, on_engine=False)
         self.rng = random.Random(seed)
+        self.forward_s = forward_s  # the forward pass's stand-in: the engine's thread waits, the GIL free
         self._ids = 0
 
     def add(self, tokens: list[int], max_tokens: int) -> str:
@@ -269,7 +272,11 @@ class SteppedEngine:
         started = time.perf_counter()
         output = self.scheduler.schedule()
         scheduled_s = time.perf_counter() - started
-        connector_output = self._worker_step(output) if self.worker is not None else None
+        if self.worker is not None:
+            connector_output = self._worker_step(output)
+        else:
+            connector_output = None
+            time.sleep(self.forward_s)
         req_ids = list(output.num_scheduled_tokens)
         requests = self.scheduler.requests
         sampled = [[1] if requests[r].num_computed_tokens >= requests[r].num_tokens else [] for r in req_ids]
@@ -301,6 +308,7 @@ class SteppedEngine:
         for i, name in enumerate(self.layers):
             timed("wait_for_layer_load", worker.wait_for_layer_load)(name)
             timed("save_kv_layer", worker.save_kv_layer)(name, self.kv[i], None)
+        time.sleep(self.forward_s)
         timed("wait_for_save", worker.wait_for_save)()
         results = timed("get_transfer_results", worker.get_transfer_results)(output.finished_req_ids)
         connector_output = KVConnectorOutput(
@@ -477,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=10, help="mixed and hits samples a round (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, connectors taking turns (default 3)")
     parser.add_argument("--contexts", type=int, default=4, help="hits: contexts stored, asked in turn (default 4)")
+    parser.add_argument("--forward-ms", type=float, default=2.0,
+                        help="each step's forward pass, a sleep: the GPU's time, in which the engine's thread waits"
+                             " with the GIL free for the loader and saver threads (default 2; 0: none)")
     parser.add_argument("--profile", metavar="PATH", help="write a cProfile of kvtier's rounds to PATH")
     add_check_flag(parser)
     args = parser.parse_args(argv)
@@ -494,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = decodes[1] * -(-(s.prompt + 3 * s.steps) // BLOCK) + 2 * -(-(s.prefill + s.context) // BLOCK) + 64
     extra = {"kvtier.l1_size_gb": max(0.25, 2 * s.contexts * s.context * LAYERS * KV_HEADS * HEAD_SIZE * 4 / (1 << 30)),
              "kvtier.save_buffer_gb": 0.25}
-    engines = {name: SteppedEngine(name, num_blocks, extra, seed=i) for i, name in enumerate(("kvtier", "none"))}
+    engines = {name: SteppedEngine(name, num_blocks, extra, seed=i, forward_s=args.forward_ms / 1000)
+               for i, name in enumerate(("kvtier", "none"))}
     contexts = {name: store_contexts(engine, s) for name, engine in engines.items()}
     profiler = None
     if args.profile:
@@ -527,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()[0]
     _print_tables(workloads)
     print(f"\nload average {load_before:.2f} -> {load_after:.2f} on {os.cpu_count()} CPUs; vLLM's prefix cache off;"
+          f" forward pass {args.forward_ms:g} ms (a sleep);"
           f" {args.rounds} rounds, connectors in turn; KV {LAYERS}x{KV_HEADS}x{HEAD_SIZE} bf16, block {BLOCK}")
     figures, targets = check_figures(workloads, decodes)
     met = report(figures, targets)

@@ -54,7 +54,7 @@ def test_a_workload_not_measured_misses_its_bars():
 @pytest.mark.slow
 def test_a_tiny_run_prints_every_workload_and_connector_in_its_last_json_line():
     out = subprocess.run([sys.executable, str(SCRIPT), "--decodes", "4,8", "--steps", "4", "--samples", "2", "--rounds", "2",
-                          "--prefill", "256", "--context", "512", "--contexts", "1"],
+                          "--prefill", "256", "--context", "512", "--contexts", "1", "--forward-ms", "0.5"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
