@@ -3,7 +3,8 @@
 in the scheduler role inside vLLM's scheduler, and in the worker role stepped as vLLM's model
 runner steps it: bind, start_load_kv, each layer's wait_for_layer_load and save_kv_layer,
 wait_for_save, get_transfer_results, get_block_ids_with_load_errors, get_kv_connector_stats,
-build_connector_worker_meta, clear), over an embedded store. No model: the model runner's
+build_connector_worker_meta, clear), over an embedded store or a ``kvtier server`` started for
+the run (``--store``). No model: the model runner's
 output samples one token for each request whose prompt the step completes, and the forward
 pass is a sleep of ``--forward-ms`` (a GPU's time: the engine's thread waits, the GIL
 free for kvtier's loader and saver threads, as on a GPU host).
@@ -45,14 +46,17 @@ Prints tables and, as the last line, one JSON object
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -488,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forward-ms", type=float, default=2.0,
                         help="each step's forward pass, a sleep: the GPU's time, in which the engine's thread waits"
                              " with the GIL free for the loader and saver threads (default 2; 0: none)")
+    parser.add_argument("--store", choices=("embedded", "server"), default="embedded",
+                        help="kvtier's store: embedded in the engine's process (default) or a `kvtier server` started"
+                             " for the run (L1 1 GiB, chunks of 256), as engines share it")
     parser.add_argument("--profile", metavar="PATH", help="write a cProfile of kvtier's rounds to PATH")
     add_check_flag(parser)
     args = parser.parse_args(argv)
@@ -503,8 +510,51 @@ def main(argv: list[str] | None = None) -> int:
         print(lmcache_line)
     # blocks for the larger decode set's prompts as they grow, a prefill and a hit, with room to spare
     num_blocks = decodes[1] * -(-(s.prompt + 3 * s.steps) // BLOCK) + 2 * -(-(s.prefill + s.context) // BLOCK) + 64
-    extra = {"kvtier.l1_size_gb": max(0.25, 2 * s.contexts * s.context * LAYERS * KV_HEADS * HEAD_SIZE * 4 / (1 << 30)),
-             "kvtier.save_buffer_gb": 0.25}
+    with contextlib.ExitStack() as stack:
+        if args.store == "server":
+            extra = {"kvtier.url": stack.enter_context(_server()), "kvtier.save_buffer_gb": 0.25}
+        else:
+            extra = {"kvtier.l1_size_gb": max(0.25, 2 * s.contexts * s.context * LAYERS * KV_HEADS * HEAD_SIZE * 4 / (1 << 30)),
+                     "kvtier.save_buffer_gb": 0.25}
+        rounds = _measure(args, s, num_blocks, extra)
+    sizes = {x.copy_bytes for by in rounds.values() for r in by for samples in r.values() for x in samples if x.copy_bytes}
+    memcpy_s = memcpy_seconds(sizes)
+    workloads: dict[str, dict] = defaultdict(dict)
+    for name, by in rounds.items():
+        for w, figures in summarize(by, memcpy_s).items():
+            workloads[w][name] = figures
+    for w in workloads:
+        workloads[w]["lmcache"] = {"skipped": lmcache_line}
+    load_after = os.getloadavg()[0]
+    _print_tables(workloads)
+    print(f"\nload average {load_before:.2f} -> {load_after:.2f} on {os.cpu_count()} CPUs; {args.store} store;"
+          f" vLLM's prefix cache off; forward pass {args.forward_ms:g} ms (a sleep);"
+          f" {args.rounds} rounds, connectors in turn; KV {LAYERS}x{KV_HEADS}x{HEAD_SIZE} bf16, block {BLOCK}")
+    figures, targets = check_figures(workloads, decodes)
+    met = report(figures, targets)
+    summary = {"workloads": workloads, "store": args.store, "load_average": [round(load_before, 2), round(load_after, 2)],
+               "cpus": os.cpu_count(), **figures}
+    return finish(summary, met, args.check)
+
+
+@contextlib.contextmanager
+def _server():
+    """A ``kvtier server`` on loopback for the run: its data port's URL."""
+    from kvtier_testing.services import free_port, kvtier_server
+
+    with tempfile.TemporaryDirectory(prefix="step-cost-") as logs:
+        port = free_port()
+        server = kvtier_server(port, free_port(), dict(os.environ), Path(logs), "--l1-size-gb", "1", "--chunk-size", "256")
+        server.start()
+        try:
+            server.wait_healthy(120)
+            yield f"tcp://127.0.0.1:{port}"
+        finally:
+            server.terminate()
+
+
+def _measure(args, s: Settings, num_blocks: int, extra: dict) -> dict[str, list]:
+    """Every round of every connector, taking turns: {connector: [round's {workload: samples}]}."""
     engines = {name: SteppedEngine(name, num_blocks, extra, seed=i, forward_s=args.forward_ms / 1000)
                for i, name in enumerate(("kvtier", "none"))}
     contexts = {name: store_contexts(engine, s) for name, engine in engines.items()}
@@ -528,24 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.close()
     if profiler is not None:
         profiler.dump_stats(args.profile)
-    sizes = {x.copy_bytes for by in rounds.values() for r in by for samples in r.values() for x in samples if x.copy_bytes}
-    memcpy_s = memcpy_seconds(sizes)
-    workloads: dict[str, dict] = defaultdict(dict)
-    for name, by in rounds.items():
-        for w, figures in summarize(by, memcpy_s).items():
-            workloads[w][name] = figures
-    for w in workloads:
-        workloads[w]["lmcache"] = {"skipped": lmcache_line}
-    load_after = os.getloadavg()[0]
-    _print_tables(workloads)
-    print(f"\nload average {load_before:.2f} -> {load_after:.2f} on {os.cpu_count()} CPUs; vLLM's prefix cache off;"
-          f" forward pass {args.forward_ms:g} ms (a sleep);"
-          f" {args.rounds} rounds, connectors in turn; KV {LAYERS}x{KV_HEADS}x{HEAD_SIZE} bf16, block {BLOCK}")
-    figures, targets = check_figures(workloads, decodes)
-    met = report(figures, targets)
-    summary = {"workloads": workloads, "load_average": [round(load_before, 2), round(load_after, 2)],
-               "cpus": os.cpu_count(), **figures}
-    return finish(summary, met, args.check)
+    return rounds
 
 
 def _print_tables(workloads: dict) -> None:

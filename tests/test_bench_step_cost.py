@@ -52,12 +52,14 @@ def test_a_workload_not_measured_misses_its_bars():
 
 
 @pytest.mark.slow
-def test_a_tiny_run_prints_every_workload_and_connector_in_its_last_json_line():
+@pytest.mark.parametrize("store", ["embedded", "server"])
+def test_a_tiny_run_prints_every_workload_and_connector_in_its_last_json_line(store):
     out = subprocess.run([sys.executable, str(SCRIPT), "--decodes", "4,8", "--steps", "4", "--samples", "2", "--rounds", "2",
-                          "--prefill", "256", "--context", "512", "--contexts", "1", "--forward-ms", "0.5"],
+                          "--prefill", "256", "--context", "512", "--contexts", "1", "--forward-ms", "0.5", "--store", store],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["store"] == store
     assert set(summary["workloads"]) == {"decode4", "decode8", "mixed", "hits"}
     for w, by in summary["workloads"].items():
         assert set(by) == {"kvtier", "none", "lmcache"}
