@@ -158,6 +158,7 @@ class Sample:
     steps: int = 0
     by_hook: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     control_s: float = 0.0  # the control call's time (CONTROL), in no hook's
+    wall_s: float = 0.0  # from the first step's start to the last's end (the forward passes' sleeps included)
 
     def add(self, other: "Sample") -> None:
         for name in ("hooks_s", "engine_copy_s", "copy_s", "copy_bytes", "scheduling_s", "steps", "control_s"):
@@ -334,10 +335,11 @@ class SteppedEngine:
 
     def run_until(self, done, limit: int = 10_000) -> Sample:
         """Steps until ``done()`` (checked after each), summed."""
-        total = Sample()
+        total, started = Sample(), time.perf_counter()
         for _ in range(limit):
             total.add(self.step())
             if done():
+                total.wall_s = time.perf_counter() - started
                 return total
         raise RuntimeError(f"{self.name}: not done after {limit} steps")
 
@@ -451,6 +453,8 @@ def summarize(rounds: list[dict[str, list[Sample]]], memcpy_s: dict[float, float
                                if copied else None),
             "copy_mb": round(statistics.median(x.copy_bytes for x in copied) / 1e6, 2) if copied else 0.0,
             "steps_per_sample": statistics.median(x.steps for x in samples),
+            "wall_ms_p50": round(_pct([x.wall_s * 1e3 for x in samples], 50), 2),
+            "copy_ms_p50": round(_pct([x.copy_s * 1e3 for x in copied], 50), 2) if copied else None,
             "by_hook_us_p50": {name: round(_pct(v, 50), 1) for name, v in sorted(by_hook.items()) if _pct(v, 50) >= 0.05},
         }
     return figures
@@ -593,6 +597,14 @@ def _print_tables(workloads: dict) -> None:
             copy = f"{f['copy_vs_memcpy']:.2f}" if f["copy_vs_memcpy"] is not None else "-"
             print(f"{w:<11}{name:<9}{f['hook_us_p50']:>12.1f}{f['hook_us_p99']:>9.1f}{spread:>22}{f['scheduler_us_p50']:>15.1f}"
                   f"{f['vs_scheduler']:>9.3f}{f['steps_per_sample']:>6g}{f['copy_mb']:>8.2f}{copy:>10}{f['control_us_p50']:>11.2f}")
+    hits = workloads.get("hits", {})
+    if "hook_us_p50" in hits.get("kvtier", {}):
+        ours, alone = hits["kvtier"], hits["none"]
+        print(f"\none hit, split (p50s): lookup {ours['by_hook_us_p50'].get('get_num_new_matched_tokens', 0) / 1e3:.2f} ms,"
+              f" {ours['steps_per_sample']:g} steps from arrival to first token in {ours['wall_ms_p50']:.1f} ms"
+              f" (vLLM alone, computing nothing: {alone['steps_per_sample']:g} in {alone['wall_ms_p50']:.1f} ms),"
+              f" the copy {ours['copy_ms_p50']} ms ({'loader thread' if ours['steps_per_sample'] > 1 else 'in the step'}),"
+              f" every hook {ours['hook_us_p50'] / 1e3:.2f} ms; the suffix's compute is the model's, not here")
     print("\nkvtier's hooks, p50 us a sample:")
     for w, by in workloads.items():
         hooks = by.get("kvtier", {}).get("by_hook_us_p50", {})
