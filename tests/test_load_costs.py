@@ -16,7 +16,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.common import KvtierWorkerMetadata
 from kvtier.integrations.vllm.config import parse_extra_config
 from kvtier.paged.jobs import LoadSample
-from kvtier.paged.load_costs import MAX_SAMPLES, LoadOrRecompute, RobustFit, StepTimer
+from kvtier.paged.load_costs import MAX_SAMPLES, REFIT_SAMPLES, LoadOrRecompute, RobustFit, StepTimer
 
 CHUNK = 256
 #: the engine's prefill: 2 ms a step, 20 us a token, 2 ns per token of context it attends to
@@ -48,6 +48,25 @@ def test_fit_recovers_latency_and_rate():
         fit.add((1.0, tokens), 0.004 + 2e-6 * tokens, now=0.0)
     latency, per_token = fit.coefficients()
     assert latency == pytest.approx(0.004, rel=1e-6) and per_token == pytest.approx(2e-6, rel=1e-6)
+
+
+def test_a_fit_is_made_again_every_few_samples_not_at_every_lookup(monkeypatch):
+    """Each prefill step and load is a sample, and each lookup asks for the fit: refitting at
+    every sample cost the scheduler's thread a tenth of a millisecond or more per lookup. The
+    fit follows every ``REFIT_SAMPLES`` samples, and at once after a gap (the tier may have
+    changed: a probe's sample)."""
+    fit = RobustFit((1.0, 1024.0), half_life_s=60.0, gap_s=30.0)
+    fits = []
+    real = fit._robust_fit
+    monkeypatch.setattr(fit, "_robust_fit", lambda: fits.append(fit.samples) or real())
+    sizes = (256, 1024, 4096, 512, 2048, 768, 3072, 128)
+    for i in range(4 * REFIT_SAMPLES + 3):
+        fit.add((1.0, sizes[i % len(sizes)]), 0.004 + 2e-6 * sizes[i % len(sizes)], now=0.0)
+        fit.coefficients()
+    assert fits == [3, *range(REFIT_SAMPLES, 4 * REFIT_SAMPLES + 1, REFIT_SAMPLES)]
+    fit.add((1.0, 1024), 0.010 + 2e-6 * 1024, now=100.0)  # after a gap: the probe counts at once
+    latency, _ = fit.coefficients()
+    assert fits[-1] == fit.samples and latency > 0.004
 
 
 def test_fit_holds_only_the_newest_samples():

@@ -42,17 +42,26 @@ class WorkerStats:
     unloaded_saves: int = 0  # save jobs not stored: a block they need did not load in their step
     save_s: float = 0.0  # in the saver thread
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _changes: int = field(default=0, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
+            self._changes += 1
 
     def add_labelled(self, name: str, label: int, delta: int) -> None:
         """Bump one label of a by-label total (``save_bytes_by_group``)."""
         with self._lock:
             by_label = getattr(self, name)
             by_label[label] = by_label.get(label, 0) + delta
+            self._changes += 1
+
+    @property
+    def changes(self) -> int:
+        """How many times a total moved: equal for two readers, nothing moved between them (a
+        step that moved nothing is told so without a snapshot)."""
+        return self._changes
 
     def snapshot(self) -> dict:
         """Every total as it is now (by-label totals copied)."""
@@ -60,7 +69,7 @@ class WorkerStats:
             return {name: dict(v) if isinstance(v := getattr(self, name), dict) else v for name in _TOTALS}
 
 
-_TOTALS = tuple(f.name for f in fields(WorkerStats) if f.name != "_lock")  # snapshot runs every step
+_TOTALS = tuple(f.name for f in fields(WorkerStats) if not f.name.startswith("_"))
 
 
 @dataclass

@@ -93,6 +93,10 @@ OVERHEAD_RIDGE = 0.01
 ROUNDS = 20
 #: Where a reweighting round has converged: no coefficient moved more than this, relatively.
 CONVERGED = 1e-4
+#: A fit is made again once this many samples came since the last (or the first after a gap):
+#: one sample more hardly moves a robust fit of dozens, and a fit is a tenth of a millisecond or
+#: more on the scheduler's thread, where a busy engine would pay it at every lookup.
+REFIT_SAMPLES = 8
 
 
 class RobustFit:
@@ -123,6 +127,7 @@ class RobustFit:
         self._ring_w = np.zeros(MAX_SAMPLES)  # each sample's decay weight as of the last one
         self._coef: list[float] | None = None
         self._rate: float | None = None
+        self._fitted = 0  # ``samples`` when ``_coef`` and ``_rate`` were last made void
         self._start: np.ndarray | None = None  # the last fit (scaled): where the next one starts
 
     @property
@@ -135,6 +140,9 @@ class RobustFit:
         return self._ring_x[:n], self._ring_y[:n], self._ring_w[:n]
 
     def add(self, x: Sequence[float], y: float, now: float) -> None:
+        if (self.samples and now - self.last > self.gap_s) or self.samples + 1 - self._fitted >= REFIT_SAMPLES:
+            self._coef = self._rate = None
+            self._fitted = self.samples + 1
         self._ring_w *= self.decay(now)
         row = self.samples % MAX_SAMPLES
         self._ring_x[row] = x
@@ -142,7 +150,6 @@ class RobustFit:
         self._ring_w[row] = 1.0
         self.samples += 1
         self.last = now
-        self._coef = self._rate = None
 
     def decay(self, now: float) -> float:
         """The factor the weight of the samples so far takes when one comes at ``now``."""

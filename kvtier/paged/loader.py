@@ -126,6 +126,8 @@ class Loader:
         """(asynchronous jobs finished, of which failed (whole request), blocks not loaded) since
         the last call; taken together, so a job's failed blocks are never reported after it.
         ``idle``: the step ran nothing, so wait up to ``IDLE_WAIT_S`` for a job in flight."""
+        if not (self._finished or self._failed or self._invalid_blocks or (idle and self._in_flight)):
+            return set(), set(), set()  # read without the lock, as each step does: a result set meanwhile shows next step
         with self._results:
             if idle and self._in_flight and not self._finished:
                 self._results.wait(IDLE_WAIT_S)
@@ -145,6 +147,8 @@ class Loader:
     def take_short(self) -> dict[str, int]:
         """Requests whose load came back short since the last call, and where the tokens
         restored end: the cache may not hold what lies past it."""
+        if not self._short:
+            return {}
         with self._results:
             short, self._short = self._short, {}
             return short
@@ -152,6 +156,8 @@ class Loader:
     def take_costs(self) -> tuple[float, list[LoadSample]]:
         """(seconds the last step's synchronous loads took on the engine's path, the retrieves
         timed by tier since the last call), for load_costs.py."""
+        if not (self._step_load_s or self._samples):
+            return 0.0, []
         with self._results:
             step, self._step_load_s = self._step_load_s, 0.0
             samples, self._samples = self._samples, []

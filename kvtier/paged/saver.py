@@ -184,6 +184,8 @@ class Saver:
             self._cond.notify_all()
 
     def take_finished_jobs(self) -> list[int]:
+        if not self._finished_jobs:  # read without the lock each step: a job finished meanwhile shows next step
+            return []
         with self._cond:
             jobs, self._finished_jobs = self._finished_jobs, []
             return jobs

@@ -21,13 +21,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+from vllm import envs
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
 from kvtier.events import BlockRecord
 from kvtier.keys import ChunkSpan
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+
+def _as_int(block_hash: bytes) -> int:
+    """``maybe_convert_block_hash`` of vLLM with its setting on, without reading the setting
+    again (tests/test_vllm_step_cost.py holds the two equal)."""
+    return int.from_bytes(block_hash, byteorder="big") & _LOW_64_BITS
+
+
+_LOW_64_BITS = (1 << 64) - 1
 
 
 def block_records(
@@ -37,6 +47,9 @@ def block_records(
     KV-cache group ``group_idx``, by (start, end); none for a span with no whole block, or whose
     blocks vLLM has not hashed."""
     hashes = request.block_hashes
+    # vLLM's setting read once here, not once a block (each read looks into the environment,
+    # microseconds): the hashes as they are, or as ints (its default)
+    convert = _as_int if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else None
     records = {}
     for span in spans:
         first, end = span.start // block_size, span.end // block_size
@@ -50,8 +63,8 @@ def block_records(
         record = BlockRecord(
             model=model,
             block_size=block_size,
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:end]],
-            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first else None,
+            block_hashes=[convert(h) for h in hashes[first:end]] if convert else list(hashes[first:end]),
+            parent_block_hash=(convert(hashes[first - 1]) if convert else hashes[first - 1]) if first else None,
             token_ids=list(tokens[first * block_size : end * block_size]),
             lora_id=lora.adapter_id if lora is not None else None,
             lora_name=lora.name if lora is not None else None,

@@ -116,8 +116,10 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_worker.start_load_kv(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # with kvtier.layerwise_load, the layer's pages of the step's synchronous loads
-        self.connector_worker.wait_for_layer_load(layer_name)
+        # with kvtier.layerwise_load, the layer's pages of the step's synchronous loads (called for
+        # every layer of every step: nothing else is done here)
+        if self.config.layerwise_load:
+            self.connector_worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
         # saves copy whole blocks of every layer after the forward pass (wait_for_save): on CPU
@@ -173,7 +175,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.connector_scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        self.connector_scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
+        if connector_output.kv_connector_worker_meta is not None:  # None: the workers' step moved nothing
+            self.connector_scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.connector_scheduler.request_finished(request, (block_ids,))

@@ -77,6 +77,10 @@ log = logging.getLogger(f"vllm.{__name__}")  # shown with vLLM's own log lines
 
 #: Half-life of the load-or-recompute measurements' weight (kvtier/paged/load_costs.py).
 COST_HALF_LIFE_S = 60.0
+#: The metadata of every step with nothing to load or save (never changed: nobody writes metadata
+#: after this side builds it), and of such a step that scheduled no token either.
+QUIET_STEP = KvtierConnectorMetadata()
+IDLE_STEP = KvtierConnectorMetadata(idle=True)
 
 
 class KvtierScheduler:
@@ -95,10 +99,16 @@ class KvtierScheduler:
         self.lookups = PromptLookup(engine, self.cache)
         self.stats = SchedulerStats()
         self._interval = Interval()
+        # a hook that may move ``stats`` ran since the last report (lookups, admissions, saves
+        # planned, finishes): a step of none sends nothing and builds nothing
+        self._stats_moved = False
         self._block_ids_of = block_ids_of
         self._loads: list[LoadJob] = []
         self._probes: list[LoadJob] = []  # reads of skipped tiers, to measure them (kvtier/paged/load_costs.py)
         self._history: list[SaveJob] = []  # history jobs of finished requests, for the next step
+        # admitted requests whose prompt is not all computed and planned for saving: the only
+        # ones a step's saves are planned for, so a decode step walks none of the running requests
+        self._saving: dict[ReqId, RequestState] = {}
         # how long an unconfirmed save may hold back lookups of its prefix
         self._saves = SavesInFlight(2 * config.timeout_s + 1.0, engine.tp_size)
         self._save_plan = SavePlanner(engine, self._saves, self.stats, self._records)
@@ -150,6 +160,7 @@ class KvtierScheduler:
         scope = request_scope(request, self.config.trust_request_tenant)
         if scope is None:
             return 0, False
+        self._stats_moved = True
         state = self.planner.state(request.request_id, request, scope)
         return self.planner.match(state, num_computed_tokens, _prefilled_tokens(request))
 
@@ -177,6 +188,7 @@ class KvtierScheduler:
     # -- allocation and the step's metadata ------------------------------------------------------
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        self._stats_moved = True
         scope = request_scope(request, self.config.trust_request_tenant)
         state = self.planner.state(request.request_id, request, scope)
         self.planner.run(state)
@@ -189,6 +201,8 @@ class KvtierScheduler:
         if not state.admitted:
             state.admitted = True
             self._check_tenant(request)
+        if self.config.save:
+            self._saving[request.request_id] = state
         state.saved_upto = max(state.saved_upto, stored)  # resumed after a preemption: what it saved stays
         if known is not None and num_external_tokens <= 0:
             self.lookups.unpin(known.pins)
@@ -226,28 +240,32 @@ class KvtierScheduler:
             self._tenant_warned = True
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KvtierConnectorMetadata:
-        meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history, timed_step=self._time_step(scheduler_output),
-                                       idle=not scheduler_output.total_num_scheduled_tokens, probes=self._probes)
+        idle, timed_step = not scheduler_output.total_num_scheduled_tokens, self._time_step(scheduler_output)
+        if not (self._loads or self._history or self._probes or self._saving or timed_step):
+            return IDLE_STEP if idle else QUIET_STEP  # nothing to load or save: no metadata made
+        meta = KvtierConnectorMetadata(loads=self._loads, saves=self._history, timed_step=timed_step, idle=idle,
+                                       probes=self._probes)
         self._loads, self._history, self._probes = [], [], []
-        if not self.config.save or not self.planner.states:
+        if not self._saving:
             return meta
         chunk = self.chunk_size()
         if chunk is None:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            self._plan_save(new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0), chunk, meta)
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
-            tracked = self._admitted(req_id)
-            if tracked is not None and tracked.saved_upto < len(tracked.tokens):
-                self._plan_save(req_id, computed + scheduled.get(req_id, 0), chunk, meta)
+        for req_id, tracked in list(self._saving.items()):
+            count = scheduled.get(req_id)
+            if count is not None:  # vLLM's count from before the step (it advances it after this hook)
+                self._plan_save(req_id, tracked, tracked.request.num_computed_tokens + count, chunk, meta)
+        self._stats_moved |= bool(meta.saves)
         return meta
 
-    def _plan_save(self, req_id: ReqId, computed: int, chunk: int, meta: KvtierConnectorMetadata) -> None:
-        """A save job for the objects the step completes, if any."""
-        tracked = self._admitted(req_id)
-        end = self._save_plan.step_end(tracked, computed, chunk) if tracked is not None else None
+    def _plan_save(self, req_id: ReqId, tracked: RequestState, computed: int, chunk: int,
+                   meta: KvtierConnectorMetadata) -> None:
+        """A save job for the objects the step completes, if any; once the prompt is computed no
+        later step of the request saves (its chunks end with the prompt)."""
+        if computed >= len(tracked.tokens):
+            del self._saving[req_id]
+        end = self._save_plan.step_end(tracked, computed, chunk)
         if end is None:
             return
         job = self._save_plan.plan(tracked, self.lookups.keys(tracked, chunk), tracked.tokens, end, computed,
@@ -266,9 +284,9 @@ class KvtierScheduler:
 
     def _time_step(self, scheduler_output: "SchedulerOutput") -> int:
         """A step id for the workers to report back if the step prefills (kvtier/paged/load_costs.py), else 0."""
-        if self._steps is None:
-            return 0
         scheduled = scheduler_output.num_scheduled_tokens
+        if self._steps is None or scheduler_output.total_num_scheduled_tokens <= len(scheduled):
+            return 0  # a token a request at most: no prefill, nothing to walk
         cached = scheduler_output.scheduled_cached_reqs
         starts = itertools.chain(((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs),
                                  zip(cached.req_ids, cached.num_computed_tokens))
@@ -288,12 +306,16 @@ class KvtierScheduler:
             if tracked is not None:
                 tracked.saved_upto = min(tracked.saved_upto, start)
                 tracked.load_failed = True
+                if self.config.save:
+                    self._saving[req_id] = tracked
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """Plan the save of the request's history, if any (True: vLLM must keep its blocks until
         the workers report it sent), and forget the request; for a prefill asked by the proxy,
         the kv_transfer_params to answer."""
+        self._stats_moved = True
         state = self.planner.finish(request.request_id)
+        self._saving.pop(request.request_id, None)
         tracked = state if state is not None and state.admitted else None
         held = tracked is not None and self._plan_history(request, tracked, block_ids)
         if not (request.kv_transfer_params or {}).get(PREFILL_PARAM):
@@ -333,6 +355,9 @@ class KvtierScheduler:
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The step's figures for vLLM's metrics."""
+        if not self._stats_moved:
+            return None
+        self._stats_moved = False
         return self._interval.take(totals(self.stats.as_dict()))
 
     def shutdown(self) -> None:

@@ -54,6 +54,7 @@ class KvtierWorker:
         self.block_size = engine.block_size
         self.stats = WorkerStats()
         self._interval = Interval()
+        self._reported_changes = 0  # ``stats.changes`` when last reported: a step that moved nothing sends nothing
         self.pages: list[PagedKV] | None = None  # per group
         self.loader: Loader | None = None
         self._released: set[str] = set()
@@ -136,18 +137,25 @@ class KvtierWorker:
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
         jobs = self._saver.take_finished_jobs() if self._saver is not None else []
         step_load_s, samples = self.loader.take_costs() if self.loader is not None else (0.0, [])
+        short = self.loader.take_short() if self.loader is not None else {}
+        if not (jobs or self._timed_step or samples or short or self._unstored):
+            return None  # the step moved nothing: no metadata made
         unstored, self._unstored = self._unstored, {}
-        for req_id, done in (self.loader.take_short() if self.loader is not None else {}).items():
+        for req_id, done in short.items():
             unstored[req_id] = min(done, unstored.get(req_id, done))
         meta = KvtierWorkerMetadata({job_id: 1 for job_id in jobs}, self._timed_step, step_load_s, samples, unstored)
         self._timed_step = 0
-        return meta if jobs or meta.timed_step or meta.load_samples or unstored else None
+        return meta
 
     def figures(self) -> dict:
         return totals(self.stats.snapshot())
 
     def get_kv_connector_stats(self) -> KvtierStats | None:
         """The step's figures for vLLM's metrics (saves finished since the last step included)."""
+        changes = self.stats.changes
+        if changes == self._reported_changes:
+            return None
+        self._reported_changes = changes  # read before the snapshot: a change after it shows next step
         return self._interval.take(self.figures())
 
     def shutdown(self) -> None:

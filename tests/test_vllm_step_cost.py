@@ -1,0 +1,164 @@
+"""What the connector does on vLLM's engine thread each step (issue 43), over the real scheduler
+and worker halves without an engine (``kvtier_testing.connector_steps``): a step in which no
+request of kvtier's loads or saves walks none of the running requests, makes no metadata and
+reads no stats; and every figure a step does move still reaches vLLM's stats.
+``bench/step_cost.py`` times the same hooks over vLLM's real scheduler."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.integrations.vllm.metrics import GAUGES
+from kvtier.paged.context import WorkerStats
+from kvtier.paged.planner import SchedulerStats
+from kvtier_testing.connector_steps import CHUNK, Steps
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, 4096) for _ in range(n)]
+
+
+class Untouchable:
+    """A field of vLLM's step output that a decode step's hooks must not walk."""
+
+    def __iter__(self):
+        raise AssertionError("a step without loads or saves walked every running request")
+
+    __len__ = __getitem__ = __iter__
+
+
+def _decode_step(steps: Steps, req_ids, walkable: bool = False) -> SimpleNamespace:
+    """vLLM's output of a step that gives each request one token (no new request); its list of
+    running requests raises when walked unless ``walkable``."""
+    scheduled = dict.fromkeys(req_ids, 1)
+    cached = (SimpleNamespace(req_ids=list(req_ids), num_computed_tokens=[steps.running[r].num_computed_tokens for r in req_ids])
+              if walkable else SimpleNamespace(req_ids=Untouchable(), num_computed_tokens=Untouchable()))
+    return SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens=scheduled, total_num_scheduled_tokens=len(scheduled),
+                           scheduled_cached_reqs=cached)
+
+
+@pytest.fixture
+def steps():
+    s = Steps(num_blocks=256)
+    yield s
+    s.close()
+
+
+def _prefilled(steps: Steps, count: int) -> list[str]:
+    """``count`` requests admitted and their prompts computed in one step (saved), left running."""
+    ids = [f"r{i}" for i in range(count)]
+    for i, req_id in enumerate(ids):
+        steps.admit(req_id, _tokens(i, CHUNK + 8))
+    scheduled = {r: steps.running[r].num_tokens for r in ids}
+    new = [SimpleNamespace(req_id=r, num_computed_tokens=0) for r in ids]
+    output = SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+                             scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+    meta = steps.scheduler.build_connector_meta(output)
+    assert len(meta.saves) == count
+    steps.worker.wait_for_save(meta)
+    for req_id in ids:
+        steps.running[req_id].num_computed_tokens = steps.running[req_id].num_tokens
+    return ids
+
+
+def test_a_decode_step_walks_no_running_request_and_makes_no_metadata(steps):
+    ids = _prefilled(steps, 24)
+    first = steps.scheduler.build_connector_meta(_decode_step(steps, ids))
+    second = steps.scheduler.build_connector_meta(_decode_step(steps, ids))
+    assert not (first.loads or first.saves or first.probes or first.timed_step or first.idle)
+    assert first is second, "each step without loads or saves made metadata of its own"
+
+
+def test_a_step_that_moves_no_figure_reads_no_stats(steps, monkeypatch):
+    ids = _prefilled(steps, 4)
+    assert steps.worker._saver.wait_idle(10)
+    steps.scheduler.update_connector_output(steps.worker.build_connector_worker_meta())
+    assert steps.scheduler.get_kv_connector_stats() is not None and steps.worker.get_kv_connector_stats() is not None
+
+    def refuse(self):
+        raise AssertionError("a step that moved no figure read the stats")
+
+    monkeypatch.setattr(SchedulerStats, "as_dict", refuse)
+    monkeypatch.setattr(WorkerStats, "snapshot", refuse)
+    steps.scheduler.build_connector_meta(_decode_step(steps, ids, walkable=True))
+    assert steps.worker.build_connector_worker_meta() is None
+    assert steps.scheduler.get_kv_connector_stats() is None
+    assert steps.worker.get_kv_connector_stats() is None
+
+
+def test_every_figure_a_step_moves_reaches_vllms_stats(steps):
+    """Figures summed over every step's stats equal the running totals: loads, saves, lookups,
+    misses and history, taken after each hook vLLM calls them after."""
+    sent: Counter = Counter()
+
+    def take() -> None:
+        for side in (steps.scheduler, steps.worker):
+            stats = side.get_kv_connector_stats()
+            for name, value in (stats.data if stats is not None else {}).items():
+                if name in GAUGES:
+                    continue
+                if isinstance(value, dict):
+                    sent.update({(name, label): amount for label, amount in value.items()})
+                else:
+                    sent[name] += value
+
+    doc = _tokens(100, 2 * CHUNK)
+    for i in range(4):
+        steps.admit(f"a{i}", doc + _tokens(200 + i, CHUNK + 8))
+        take()
+        while steps.running:
+            steps.step()
+            take()
+        assert steps.worker._saver.wait_idle(10)
+        steps.scheduler.update_connector_output(steps.worker.build_connector_worker_meta())  # the saves' report
+        take()
+    expected: Counter = Counter()
+    for side in (steps.scheduler, steps.worker):
+        for name, value in side.figures().items():
+            if name in GAUGES or name == "load_costs" or value is None:
+                continue
+            if isinstance(value, dict):
+                expected.update({(name, label): amount for label, amount in value.items()})
+            else:
+                expected[name] += value
+    expected = Counter({k: v for k, v in expected.items() if v})
+    assert expected["lookups"] == 4 and expected["saves"] >= 4 and expected["loaded_tokens"] > 0
+    assert {k: pytest.approx(v) for k, v in expected.items()} == {k: v for k, v in sent.items() if v}
+
+
+@pytest.mark.parametrize("as_ints", [False, True])
+def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypatch, as_ints):
+    """The records of a save read vLLM's hash setting once a call, not once a block (each read
+    looks into the environment), and still give the hashes vLLM's own events give."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from kvtier.events import decode_record
+    from kvtier.integrations.vllm.block_records import block_records
+    from kvtier.keys import ChunkSpan
+
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if as_ints else "0")
+    reads = Counter()
+    read_setting = vllm.envs.__getattr__
+
+    def counted(name):
+        reads[name] += 1
+        return read_setting(name)
+
+    monkeypatch.setattr(vllm.envs, "__getattr__", counted)
+    hashes = [bytes([i]) * 32 for i in range(1, 9)]
+    request = SimpleNamespace(block_hashes=hashes, mm_features=[], lora_request=None, cache_salt=None, prompt_embeds=None)
+    tokens = _tokens(7, 8 * 4)
+    spans = [ChunkSpan(b"k1", 0, 16), ChunkSpan(b"k2", 16, 32)]
+    records = {span: decode_record(data) for span, data in block_records(request, tokens, spans, 4, "m", 0).items()}
+    assert reads["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == 1
+    assert records[(16, 32)].block_hashes == [maybe_convert_block_hash(h) for h in hashes[4:8]]
+    assert records[(16, 32)].parent_block_hash == maybe_convert_block_hash(hashes[3])
+    assert records[(0, 16)].parent_block_hash is None and records[(0, 16)].token_ids == tokens[:16]
+    assert all(isinstance(h, int) == as_ints for r in records.values() for h in r.block_hashes)
