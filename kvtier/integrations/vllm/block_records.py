@@ -1,5 +1,5 @@
 """Scheduler side: vLLM's own view of the blocks a save stores, sent with each object so that
-``kvtier server --kv-events-port`` publishes the block hashes vLLM itself computes for the same
+``kvtier server``'s KV events publish the block hashes vLLM itself computes for the same
 tokens (its block size, hash algorithm and seed, parent chaining, LoRA and cache_salt extra keys)
 and a router that indexes vLLM's events matches kvtier's without new code.
 
