@@ -149,6 +149,7 @@ class VllmSteps:
         self._hasher = get_request_block_hasher(BLOCK, hash_fn)
         self.tokens: dict[str, list[int]] = {}
         self.outputs: list = []  # each step's KVConnectorOutput
+        self.finished_params: dict[str, dict | None] = {}  # finished request -> its kv_transfer_params
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -190,8 +191,12 @@ class VllmSteps:
         self.outputs.append(kv_out)
         req_ids = [s.req_id for s in scheduled]
         sampled = [[7] if s.start + s.count >= len(self.tokens[s.req_id]) else [] for s in scheduled]
-        self.scheduler.update_from_output(out, model_runner_output(req_ids, sampled_token_ids=sampled,
-                                                                   kv_connector_output=kv_out))
+        engine_outputs = self.scheduler.update_from_output(out, model_runner_output(req_ids, sampled_token_ids=sampled,
+                                                                                    kv_connector_output=kv_out))
+        for outputs in engine_outputs.values():
+            for output in outputs.outputs:
+                if output.finish_reason is not None:
+                    self.finished_params[output.request_id] = output.kv_transfer_params
         return out
 
     def run(self, max_steps: int = 50) -> None:

@@ -18,6 +18,8 @@ What building vLLM's classes without its engine meets (kvtier_testing/vllm_class
   ``vllm.v1.core.kv_cache_planning``, whose ``get_kv_cache_configs`` takes the model's groups,
   planned first (``get_global_kv_cache_groups``): ``kv_cache_configs``.
 - 0.34's ``ModelRunnerOutput`` no longer takes ``req_id_to_index``: ``model_runner_output``.
+- 0.34's scheduler starts the loads of requests ``may_load_async`` names while its batch is full
+  (``--max-num-inflight-kv-loads``): ``loads_while_batch_full``.
 """
 
 from __future__ import annotations
@@ -52,3 +54,10 @@ def model_runner_output(req_ids: list[str], **fields: Any) -> "ModelRunnerOutput
     if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # 0.32
         fields["req_id_to_index"] = {req_id: i for i, req_id in enumerate(req_ids)}
     return ModelRunnerOutput(req_ids=req_ids, **fields)
+
+
+def loads_while_batch_full() -> bool:
+    """Whether vLLM's scheduler has ``max_num_inflight_kv_loads`` (and asks ``may_load_async``)."""
+    from vllm.config import SchedulerConfig
+
+    return "max_num_inflight_kv_loads" in {f.name for f in dataclasses.fields(SchedulerConfig)}
