@@ -7,8 +7,10 @@ an attention backend asks for, on the CPU. The compatibility tier (``.ci/vllm-co
 against vLLM releases whose engine needs a GPU; the main suite runs it against vLLM 0.32.
 
 The forward pass is a stand-in: the KV of the token at position ``p`` of a prompt is a value of
-the token, its position and the layer (``kv_value``), written into every byte of the slot's
-heads; what a load brings back is checked against it, byte for byte (``check_kv``).
+the token, its position and the layer (``kv_value``), written into every element of the slot's
+heads, and a recurrent state a value of the tokens before it (``state_value``), written into
+the block of the step's last token; what a load brings back is checked against them, byte for
+byte (``wrong_slots``).
 
 The version differences met here are in ``kvtier.integrations.vllm.versions``.
 """
@@ -33,10 +35,12 @@ WINDOW = 64  # sliding window and local-attention chunk, in tokens
 def layer_specs(kind: str, dtype: torch.dtype = torch.float32) -> dict:
     """The per-layer KV-cache specs of a tiny model of ``kind`` (what its attention layers
     would report to vLLM): ``full``, ``sliding`` (sliding window and full layers), ``chunked``
-    (chunked local and full layers), ``mla``."""
+    (chunked local and full layers), ``mla``, ``mamba`` (GDN state in vLLM's align mode, and
+    full layers)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -47,6 +51,12 @@ def layer_specs(kind: str, dtype: torch.dtype = torch.float32) -> dict:
         return dict.fromkeys(names, full)
     if kind == "mla":
         return dict.fromkeys(names, MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=MLA_SIZE, dtype=dtype))
+    if kind == "mamba":  # GDN state (conv and SSM, one page of an attention layer's size) and full layers
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+        state = MambaSpec(block_size=BLOCK, shapes=((4, 512), (4, 16, 32)), dtypes=(dtype, dtype),
+                          mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align")
+        return {name: state if i % 2 == 0 else full for i, name in enumerate(names)}
     if kind == "sliding":
         local = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=dtype, sliding_window=WINDOW)
     elif kind == "chunked":
@@ -107,6 +117,17 @@ def vllm_config(model_path, extra: dict, layout: str = "LBHNC", **scheduler):
 def kv_value(token: int, position: int, layer: int) -> float:
     """The stand-in forward pass's KV of a token (exact in float32 and bfloat16)."""
     return float((token * 31 + position * 7 + layer * 3) % 251 + 1)
+
+
+def state_value(tokens: list[int], layer: int) -> int:
+    """The stand-in forward pass's recurrent state after ``tokens`` (every byte of it)."""
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) + layer) % 120 + 1
+
+
+def _holds_state(group) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(group.kv_cache_spec, MambaSpec)
 
 
 @dataclass
@@ -221,6 +242,11 @@ class VllmSteps:
         tokens = self.tokens[s.req_id]
         for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
             blocks = self.block_ids(s.req_id, g)
+            if _holds_state(group):  # the state after the step's last token, in that token's block
+                end = min(s.start + s.count, len(tokens))
+                for name in group.layer_names:
+                    self.kv[name][blocks[(end - 1) // BLOCK]] = state_value(tokens[:end], self.layer_names.index(name))
+                continue
             for p in range(s.start, min(s.start + s.count, len(tokens))):
                 block = blocks[p // BLOCK]
                 if block == 0:  # a window group's block freed past its window: vLLM's null block
@@ -237,6 +263,12 @@ class VllmSteps:
         tokens, wrong = self.tokens[req_id], []
         for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
             blocks = self.block_ids(req_id, g)
+            if _holds_state(group):  # the state at ``start`` (what a load restores), in its block
+                for name in group.layer_names if start else ():
+                    got = self.kv[name][blocks[(start - 1) // BLOCK]]
+                    if not torch.equal(got, torch.full_like(got, state_value(tokens[:start], self.layer_names.index(name)))):
+                        wrong.append((name, start - 1))
+                continue
             for p in range(start, end):
                 block = blocks[p // BLOCK]
                 if block == 0:

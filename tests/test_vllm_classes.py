@@ -1,7 +1,8 @@
 """The connector through the installed vLLM's own classes (kvtier_testing/vllm_classes.py): its
 ``Scheduler`` and ``KVCacheManager`` around the scheduler half, KV tensors its planner and
 allocator lay out around the worker half, no engine. The main suite runs this on vLLM 0.32; the
-compatibility tier (``make test-compat``) on 0.33 and 0.34, whose engines need a GPU.
+compatibility tier (``make test-compat``) on 0.33 and 0.34, whose engines need a GPU. Groups:
+full attention, MLA, sliding window, chunked local, GDN state (``VllmSteps``' kinds).
 
 Every KV check is byte for byte against the stand-in forward pass; one test shows the check
 fails on a single wrong byte (the negative control).
@@ -79,6 +80,21 @@ def test_a_stored_prompt_is_loaded_byte_for_byte(make_steps, kind, layout):
     loaded = _first_step_of(steps, "again")
     assert loaded == PROMPT - 1  # all but the last token, which vLLM computes
     assert steps.wrong_slots("again", PROMPT) == []
+    steps.run()
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_a_recurrent_state_is_restored_byte_for_byte(make_steps, layout):
+    """GDN state beside full attention (vLLM's align mode): states are kept where a step ends on
+    a block boundary (here every 32 tokens), so the hit ends at the last one before the prompt's end."""
+    steps = make_steps("mamba", layout, max_num_batched_tokens=CHUNK, max_num_seqs=4)
+    tokens = _tokens(15)
+    _store_then_forget(steps, tokens)
+    steps.add("again", tokens, max_tokens=3)
+    hit = _first_step_of(steps, "again")
+    assert hit == PROMPT // CHUNK * CHUNK
+    assert steps.wrong_slots("again", hit, hit) == []  # the state at the hit
+    assert steps.wrong_slots("again", PROMPT) == []  # the attention layers' KV
     steps.run()
 
 
