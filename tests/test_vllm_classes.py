@@ -18,7 +18,7 @@ import torch
 
 from kvtier_testing.vllm_classes import BLOCK, CHUNK, VllmSteps
 
-pytestmark = [pytest.mark.vllm_classes]
+pytestmark = [pytest.mark.vllm_classes, pytest.mark.servers]  # servers: one test starts a kvtier server
 
 EMBEDDED = {"kvtier.chunk_size": CHUNK, "kvtier.l1_size_gb": 0.01, "kvtier.save_buffer_gb": 0.01,
             "kvtier.load_or_recompute": False}
