@@ -42,6 +42,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not vllm and not slow"
 
+# the connector through the classes of vLLM releases whose engines need a GPU (.ci/vllm-compat): a
+# side venv per release, built once a machine under $$KVTIER_CACHE_DIR (or ~/.cache/kvtier)/vllm-compat
+VLLM_COMPAT := 0.33.0 0.34.0
+.PHONY: test-compat
+test-compat:
+	$(PYTHON) .ci/vllm-compat $(VLLM_COMPAT)
+
 wheel-smoke:
 	$(PYTHON) .ci/wheel-smoke
 

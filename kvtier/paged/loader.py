@@ -122,6 +122,20 @@ class Loader:
         if self._layers is not None:
             self._layers.finish()
 
+    def drain(self) -> None:
+        """Wait for the asynchronous loads queued or running and the step's layer-by-layer
+        copies: none writes into the engine's KV after this returns (before it is unmapped)."""
+        self.finish_step()
+        with self._results:
+            while self._in_flight:
+                self._results.wait()
+
+    def repage(self) -> None:
+        """The context's pages changed (dropped, or read again): the loader thread's twins follow."""
+        self.async_pages[:] = [p.twin() for p in self.context.pages]
+        if self._layers is not None:
+            self._layers.pages = self.async_pages[0].twin() if self.async_pages else None
+
     def take_results(self, idle: bool = False) -> tuple[set[str], set[str], set[int]]:
         """(asynchronous jobs finished, of which failed (whole request), blocks not loaded) since
         the last call; taken together, so a job's failed blocks are never reported after it.

@@ -254,6 +254,14 @@ class Saver:
         records = [r for g, spans in enumerate(staged.spans) for r in _records(job, g, spans)]
         return self.cache.store_groups(groups, fill, records, job.scope.tenant), written
 
+    def wait_copied(self) -> None:
+        """The copies out of the engine's KV of every job staged so far have ended (their stores
+        may still run, from the ring or the slots): the KV may be unmapped after this."""
+        with self._cond:
+            fences = [fence for staged in self._queue for fence in staged.fences]
+        for fence in fences:
+            fence.synchronize()
+
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:

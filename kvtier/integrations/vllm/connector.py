@@ -110,6 +110,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.connector_worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM (0.33 on) is about to sleep and unmap its KV cache: copies in flight end first,
+        then the page views go (kvtier therefore supports sleep mode, vLLM's default)."""
+        self.connector_worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM woke up: the page views are read again from its KV tensors."""
+        self.connector_worker.restore_kv_caches()
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KvtierConnectorMetadata)
@@ -157,6 +166,12 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request: "Request") -> bool:
+        """vLLM 0.34 with --max-num-inflight-kv-loads: True lets the request start its load
+        while the running batch is full; True exactly where kvtier answers it with an
+        asynchronous load (the lookup is made now and kept for ``get_num_new_matched_tokens``)."""
+        return self.connector_scheduler.may_load_async(request)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict[CacheHitSource, int]:
         if not num_external_tokens:

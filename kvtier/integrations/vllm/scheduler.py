@@ -164,6 +164,13 @@ class KvtierScheduler:
         state = self.planner.state(request.request_id, request, scope)
         return self.planner.match(state, num_computed_tokens, _prefilled_tokens(request))
 
+    def may_load_async(self, request: "Request") -> bool:
+        """Whether kvtier answers the request with an asynchronous load: its lookup at vLLM's
+        own hit 0, kept (``RepeatedAsk``), so that vLLM's next ask at that hit costs no round
+        trip and gets this answer (at another hit a new lookup decides)."""
+        tokens, asynchronous = self.get_num_new_matched_tokens(request, 0)
+        return bool(tokens) and asynchronous
+
     def _find(self, state: RequestState) -> Found | None:
         """The planner's lookup of the request's prompt (None: no usable chunk size)."""
         chunk = self._chunk_size_or_connect()

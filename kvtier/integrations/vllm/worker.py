@@ -55,7 +55,8 @@ class KvtierWorker:
         self.stats = WorkerStats()
         self._interval = Interval()
         self._reported_changes = 0  # ``stats.changes`` when last reported: a step that moved nothing sends nothing
-        self.pages: list[PagedKV] | None = None  # per group
+        self.pages: list[PagedKV] | None = None  # per group (empty while vLLM sleeps)
+        self._kv_caches: dict[str, torch.Tensor] = {}
         self.loader: Loader | None = None
         self._released: set[str] = set()
         self._unstored: dict[str, int] = {}  # request -> token from which its KV is not cached (metadata)
@@ -75,7 +76,8 @@ class KvtierWorker:
                 cache.key_store.ping()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.pages = [PagedKV(kv_caches, group, self.num_blocks) for group in self.engine.groups]
+        self._kv_caches = kv_caches  # read again after vLLM's sleep (restore_kv_caches)
+        self.pages = self._read_pages()
         context = WorkerContext(self.engine, self.tp_rank, self.pages, NamespaceCache(self.engine), self.stats)
         if self._loads is not None:
             self.loader = Loader(context, self._loads, self._async_loads, self._probes, self.config.layerwise_load)
@@ -90,6 +92,35 @@ class KvtierWorker:
             ),
             self.engine.arrangement, self.config.save_buffer_gb if self._saver is not None else 0.0,
         )
+
+    def _read_pages(self) -> list[PagedKV]:
+        return [PagedKV(self._kv_caches, group, self.num_blocks) for group in self.engine.groups]
+
+    # -- vLLM's sleep mode (0.33 on) -----------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to unmap its KV cache: the loads and the copies out of saves still
+        running end first, then every page view is dropped (a copy after this fails, never
+        touches unmapped memory). Idempotent."""
+        if not self.pages:
+            return
+        if self.loader is not None:
+            self.loader.drain()
+        if self._saver is not None:
+            self._saver.wait_copied()
+        self.pages.clear()  # the list the loader and the saver share (WorkerContext.pages)
+        if self.loader is not None:
+            self.loader.repage()
+        log.info("kvtier: KV cache views dropped for vLLM's sleep")
+
+    def restore_kv_caches(self) -> None:
+        """vLLM woke up: the page views are read again from its KV tensors. Idempotent."""
+        if self.pages is None or self.pages:
+            return
+        self.pages[:] = self._read_pages()
+        if self.loader is not None:
+            self.loader.repage()
+        log.info("kvtier: KV cache views read again after vLLM's sleep")
 
     # -- loads (kvtier/paged/loader.py) ----------------------------------------------------------------------
 
