@@ -1,0 +1,288 @@
+"""``KvtierStorage``: kvtier as a HiCache storage backend of SGLang (``--hicache-storage-backend
+dynamic``, module ``kvtier.integrations.sglang.storage``, class ``KvtierStorage``).
+
+SGLang's cache-controller threads call it to find, read and write pages between its host memory
+pools and storage. Every call fails open: a server that is down or slow answers as a miss (or a
+page not written) within ``kvtier.timeout_s``, and no error reaches SGLang's threads. The three
+generations of SGLang's interface all land on the same three steps:
+
+    find   batch_exists (v1), batch_exists_v2 (per-pool hit policies)   -> locate
+    read   batch_get, batch_get_v1, batch_get_v2                          -> acquire, copy in, release
+    write  batch_set, batch_set_v1, batch_set_v2                          -> reserve, copy out, commit
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from kvtier.cache import TokenCache
+from kvtier.client import KvtierClient
+from kvtier.integrations.sglang.config import StorageConfig, parse_extra_config
+from kvtier.integrations.sglang.pools import BoundPool, Shard
+from kvtier.keys import ChunkSpan
+from kvtier.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _salt(extra_info: HiCacheStorageExtraInfo | None) -> bytes:
+    """A request's cache salt where SGLang hands one in ``extra_info`` (0.5.23 folds it into the
+    page hashes instead: then there is none here, and the hashes keep tenants apart)."""
+    info = extra_info.extra_info if extra_info is not None else None
+    salt = info.get("cache_salt") if isinstance(info, dict) else None
+    return salt.encode() if isinstance(salt, str) else b""
+
+
+def _first_page(extra_info: HiCacheStorageExtraInfo | None) -> int:
+    return len(extra_info.prefix_keys or ()) if extra_info is not None else 0
+
+
+class KvtierStorage(HiCacheStorage):
+    """The backend; SGLang's factory builds it as ``KvtierStorage(storage_config, kwargs)``."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        self.config: StorageConfig = parse_extra_config(storage_config.extra_config)
+        model = self.config.model or storage_config.model_name
+        if not model:
+            raise ConfigError("kvtier storage backend: no model (set SGLang's model or kvtier.model)")
+        self.model = model
+        self.storage_config = storage_config
+        self.shard = Shard(storage_config.tp_rank, storage_config.tp_size, storage_config.pp_rank,
+                           storage_config.pp_size, storage_config.attn_cp_rank, storage_config.attn_cp_size,
+                           storage_config.dcp_rank, storage_config.dcp_size)
+        self.cache = TokenCache(self._open_store())
+        self.pools: dict[str, BoundPool] = {}
+        self._failures = 0  # calls that failed open (logged once per kind, counted in get_stats)
+        self._logged: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _open_store(self):
+        c = self.config
+        if c.url is not None:
+            return KvtierClient(c.url, timeout_s=c.timeout_s, use_shared_memory=c.shared_memory,
+                                curve_secret_key=c.curve_secret_key, curve_server_key=c.curve_server_key)
+        from kvtier.build import build_store
+
+        return build_store(c.store)
+
+    def close(self) -> None:
+        self.cache.key_store.close()
+
+    # -- pools --------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._bind(PoolName.KV.value, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._bind(str(host_pool_name), host_pool)
+
+    def _bind(self, name: str, pool) -> None:
+        # MLA KV is the same on every TP rank (one writer stores it for all); other pools are sharded
+        replicated = self.storage_config.is_mla_model and name == PoolName.KV.value
+        salt = self.config.namespace.encode()
+        self.pools[name] = BoundPool.bind(name, pool, self.model, self.shard, replicated, salt)
+
+    def _writes(self, pool: BoundPool) -> bool:
+        """Whether this rank stores ``pool``'s pages: for MLA KV only the storage writer does."""
+        return pool.name != PoolName.KV.value or self.storage_config.is_storage_writer
+
+    # -- failing open -------------------------------------------------------------------------
+
+    def _fail_open(self, what: str, exc: BaseException, answer):
+        with self._lock:
+            self._failures += 1
+            first = what not in self._logged
+            self._logged.add(what)
+        if first:
+            log.warning("kvtier storage %s failed open (%s: %s); further ones are counted", what, type(exc).__name__, exc)
+        return answer
+
+    # -- find ---------------------------------------------------------------------------------
+
+    def _prefix(self, pool: BoundPool, spans: Sequence[ChunkSpan]) -> int:
+        return len(self.cache.key_store.locate(spans).tiers) if spans else 0
+
+    def _present(self, pool: BoundPool, spans: Sequence[ChunkSpan]) -> list[bool]:
+        located = self.cache.key_store.locate_groups([([s], []) for s in spans]) if spans else []
+        return [bool(found.tiers) for found in located]
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        try:
+            pool = self.pools[PoolName.KV.value]
+            return self._prefix(pool, pool.spans(keys, _first_page(extra_info), _salt(extra_info)))
+        except Exception as exc:
+            return self._fail_open("batch_exists", exc, 0)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        try:
+            return self._exists_v2(keys, pool_transfers or [], extra_info)
+        except Exception as exc:
+            return self._fail_open("batch_exists_v2", exc, PoolTransferResult.empty())
+
+    def _exists_v2(self, keys, transfers, extra_info) -> PoolTransferResult:
+        first, salt = _first_page(extra_info), _salt(extra_info)
+        kv = self.pools[PoolName.KV.value]
+        kv_pages = self._prefix(kv, kv.spans(keys, first, salt))
+        hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in transfers:
+            if not restorable:
+                break
+            name = str(transfer.name)
+            pool = self.pools[name]
+            spans = pool.spans(keys[:kv_pages], first, salt)
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = self._prefix(pool, spans)
+                allowed = set(range(1, boundary + 1))
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(transfer.keys or ()))
+                present = self._present(pool, spans)
+                allowed = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing):n])}
+                boundary = max(allowed, default=0)
+            else:
+                raise ValueError(f"hit policy {transfer.hit_policy} of pool {name!r} is not supported")
+            if boundary:
+                hits[name] = boundary
+            restorable &= allowed
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+
+    # -- read ---------------------------------------------------------------------------------
+
+    def _read(self, pool: BoundPool, keys: list[str], extra_info, place: Callable[[int, memoryview], None]) -> list[bool]:
+        """Read the longest cached run of ``keys``' pages; ``place(i, payload)`` puts page i."""
+        spans = pool.spans(keys, _first_page(extra_info), _salt(extra_info))
+        if not spans:
+            return []
+        with self.cache.retrieve_spans(pool.namespace, spans) as retrieval:
+            chunks = retrieval.chunks
+            for i, chunk in enumerate(chunks):
+                place(i, chunk.payload)
+        return [True] * len(chunks) + [False] * (len(keys) - len(chunks))
+
+    def _read_into_host(self, pool: BoundPool, keys, host_indices, extra_info) -> list[bool]:
+        starts = host_indices[:: pool.page_size].tolist() if host_indices is not None else []
+        if len(starts) != len(keys) or host_indices.numel() != len(keys) * pool.page_size:
+            raise ValueError(f"{len(keys)} pages of pool {pool.name!r} need {len(keys) * pool.page_size} host indices")
+        return self._read(pool, keys, extra_info, lambda i, payload: pool.copy_in(starts[i], payload))
+
+    def get(self, key: str, target_location=None, target_sizes=None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations=None, target_sizes=None) -> list[torch.Tensor | None]:
+        """Pages into the tensors SGLang hands (its pool's dummy flat pages)."""
+        try:
+            pool = self.pools[PoolName.KV.value]
+            targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+            targets = [t if t is not None else pool.pool.get_dummy_flat_data_page() for t in targets]
+
+            def place(i: int, payload: memoryview) -> None:
+                targets[i].view(torch.uint8).reshape(-1).copy_(pool.as_tensor(payload).view(torch.uint8))
+
+            done = self._read(pool, keys, None, place)
+            return [t if ok else None for t, ok in zip(targets, done)]
+        except Exception as exc:
+            return self._fail_open("batch_get", exc, [None] * len(keys))
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        try:
+            return self._read_into_host(self.pools[PoolName.KV.value], keys, host_indices, extra_info)
+        except Exception as exc:
+            return self._fail_open("batch_get_v1", exc, [False] * len(keys))
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        results = {}
+        for transfer in transfers:
+            keys = transfer.keys or []
+            try:
+                results[transfer.name] = self._read_into_host(self.pools[str(transfer.name)], keys,
+                                                              transfer.host_indices, extra_info)
+            except Exception as exc:
+                results[transfer.name] = self._fail_open("batch_get_v2", exc, [False] * len(keys))
+        return results
+
+    # -- write --------------------------------------------------------------------------------
+
+    def _write(self, pool: BoundPool, keys: list[str], extra_info, page: Callable[[int, memoryview], None]) -> list[bool]:
+        """Store ``keys``' pages not stored yet; ``page(i, dest)`` writes page i's bytes."""
+        if not self._writes(pool):
+            return [True] * len(keys)  # the MLA storage writer stores these very pages
+        spans = pool.spans(keys, _first_page(extra_info), _salt(extra_info))
+        index = {span.key: i for i, span in enumerate(spans)}
+        return self.cache.store_each([(pool.namespace, spans)], lambda span, dest: page(index[span.key], dest),
+                                     tenant=self.config.tenant or "")
+
+    def _write_from_host(self, pool: BoundPool, keys, host_indices, extra_info) -> list[bool]:
+        starts = host_indices[:: pool.page_size].tolist() if host_indices is not None else []
+        if len(starts) != len(keys) or host_indices.numel() != len(keys) * pool.page_size:
+            raise ValueError(f"{len(keys)} pages of pool {pool.name!r} need {len(keys) * pool.page_size} host indices")
+        return self._write(pool, keys, extra_info, lambda i, dest: pool.copy_out(starts[i], dest))
+
+    def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None) -> bool:
+        """Pages from the tensors SGLang hands (its pool's flat data pages)."""
+        try:
+            pool = self.pools[PoolName.KV.value]
+            values = list(values or ())
+            if len(values) != len(keys):
+                raise ValueError(f"{len(keys)} keys with {len(values)} pages")
+            return all(self._write(pool, keys, None, lambda i, dest: pool.tensor_out(values[i], dest)))
+        except Exception as exc:
+            return self._fail_open("batch_set", exc, False)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        try:
+            return self._write_from_host(self.pools[PoolName.KV.value], keys, host_indices, extra_info)
+        except Exception as exc:
+            return self._fail_open("batch_set_v1", exc, [False] * len(keys))
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        results = {}
+        for transfer in transfers:
+            keys = transfer.keys or []
+            try:
+                results[transfer.name] = self._write_from_host(self.pools[str(transfer.name)], keys,
+                                                               transfer.host_indices, extra_info)
+            except Exception as exc:
+                results[transfer.name] = self._fail_open("batch_set_v2", exc, [False] * len(keys))
+        return results
+
+    # -- the rest -----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """SGLang's "clear the storage backend": an embedded store is emptied; a server's pages
+        may be other engines' too, so it is cleared by its own admin action, never from here."""
+        if self.config.url is None:
+            self.cache.key_store.clear()
+        else:
+            log.warning("kvtier storage: not clearing kvtier server %s from SGLang (use its admin action)", self.config.url)
+
+    def get_stats(self) -> dict:
+        s = self.cache.stats
+        return {"stored_pages": s.stored_chunks, "cached_pages": s.skipped_chunks, "failed_pages": s.failed_chunks,
+                "dropped_pages": s.dropped_chunks, "refused_pages": s.refused, "failed_open_calls": self._failures}
