@@ -74,12 +74,17 @@ class KvtierStorage(HiCacheStorage):
         if c.url is not None:
             return KvtierClient(c.url, timeout_s=c.timeout_s, use_shared_memory=c.shared_memory,
                                 curve_secret_key=c.curve_secret_key, curve_server_key=c.curve_server_key)
-        from kvtier.build import build_store
+        from kvtier.build import open_shared_store
 
-        return build_store(c.store)
+        return open_shared_store(c.store)  # several backends of one process (tests' TP ranks) share it
 
     def close(self) -> None:
-        self.cache.key_store.close()
+        if self.config.url is None:
+            from kvtier.build import close_shared_store
+
+            close_shared_store(self.cache.key_store)
+        else:
+            self.cache.key_store.close()
 
     # -- pools --------------------------------------------------------------------------------
 
