@@ -1,0 +1,134 @@
+"""kvtier as SGLang's HiCache storage backend against SGLang's own ``HiCacheFile``, in one run.
+
+The same SGLang host pool (MHA and MLA page geometries) feeds every backend: ``HiCacheFile`` on
+local disk; kvtier embedded (memory tier over a disk tier on the same local disk); kvtier through a
+real ``kvtier server`` (its memory tier, pages through the shared-memory arena). Rounds take the
+backends in turn (``interleaved``), each round with fresh page keys: ``batch_set_v2`` of a batch of
+pages, ``batch_get_v2`` of them back (checked byte for byte), ``batch_exists_v2`` latency. Prints
+the load average, each figure's median and spread over rounds, the paired ratios to HiCacheFile,
+the targets, and a last JSON line with ``vs_hicache_file[op][backend]``.
+
+    make bench-sglang        (the side venv: SGLang's storage layer beside the CPU torch)
+    PYTHONPATH=. $SGLANG_VENV/bin/python bench/sglang_storage.py [--rounds 7] [--pages 32] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvtier_testing.sglang_storage import (  # noqa: E402
+    PoolSpec, file_extra, host_pool, import_sglang, kvtier_extra, l2_disk, make_backend,
+)
+from kvtier_testing.targets import Target, add_check_flag, finish, report  # noqa: E402
+from kvtier_testing.timing import paired_ratio  # noqa: E402
+
+import_sglang()
+import torch  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
+
+SPECS = {
+    "mha": PoolSpec(kind="mha", layers=4, heads=8, head_dim=128, page_size=64, tokens=4096),
+    "mla": PoolSpec(kind="mla", layers=4, head_dim=512, page_size=64, tokens=4096),  # 576-wide latent
+}
+TARGETS = {
+    "set_embedded": Target(">=", 1.0, "issue 42: at least HiCacheFile's set on local disk"),
+    "get_embedded": Target(">=", 1.0, "issue 42: at least HiCacheFile's get on local disk"),
+    "set_server": Target(">=", 3.0, "issue 42: 3x HiCacheFile through the server's memory tier"),
+    "get_server": Target(">=", 3.0, "issue 42: 3x HiCacheFile through the server's memory tier"),
+}
+
+
+def run(spec: PoolSpec, backends: dict, rounds: int, pages: int) -> dict:
+    pools, src = {}, torch.arange(1 * spec.page_size, (1 + pages) * spec.page_size)
+    dst = torch.arange((1 + pages) * spec.page_size, (1 + 2 * pages) * spec.page_size)
+    for name, backend in backends.items():
+        pools[name] = pool = host_pool(spec)
+        backend.register_mem_pool_host(pool)
+        backend.register_mem_host_pool_v2(pool, PoolName.KV)
+        raw = pool.kv_buffer.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    times = {op: {name: [] for name in backends} for op in ("set", "get", "exists")}
+    for r in range(rounds):
+        keys = [f"{spec.kind}-{r}-{os.getpid()}-{i}" for i in range(pages)]
+        for op in ("set", "get", "exists"):
+            for name, backend in backends.items():
+                put = PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys)
+                take = PoolTransfer(name=PoolName.KV, host_indices=dst, keys=keys)
+                start = time.perf_counter()
+                if op == "set":
+                    ok = backend.batch_set_v2([put])[PoolName.KV]
+                elif op == "get":
+                    ok = backend.batch_get_v2([take])[PoolName.KV]
+                else:
+                    ok = [backend.batch_exists_v2(keys, []).kv_hit_pages == pages]
+                times[op][name].append(time.perf_counter() - start)
+                if not all(ok):
+                    raise SystemExit(f"{name} {op} failed in round {r}")
+                if op == "get":
+                    pool = pools[name]
+                    for i in (0, pages - 1):
+                        a = pool.get_data_page(int(src[i * spec.page_size]), flat=True).view(torch.uint8)
+                        b = pool.get_data_page(int(dst[i * spec.page_size]), flat=True).view(torch.uint8)
+                        if not torch.equal(a, b):
+                            raise SystemExit(f"{name} read back other bytes than it stored (page {i})")
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--pages", type=int, default=32, help="pages per batch (SGLang's STORAGE_BATCH_SIZE is 128)")
+    add_check_flag(parser)
+    args = parser.parse_args()
+    from kvtier_testing.kvtier_processes import ServerProcess
+
+    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}, cpus {os.cpu_count()}")
+    with tempfile.TemporaryDirectory(dir=os.environ.get("KVTIER_BENCH_DIR")) as work:
+        work = Path(work)
+        server = ServerProcess(work, l1_gb=1.0).start()
+        summary, ratios = {"load_average": [round(x, 2) for x in os.getloadavg()]}, {}
+        try:
+            for kind, spec in SPECS.items():
+                backends = {
+                    "hicache_file": make_backend("file", file_extra(work / f"file-{kind}"), mla=spec.mla),
+                    "embedded": make_backend("dynamic", kvtier_extra(l1_size_gb=1.0, l2_adapters=[
+                        __import__("json").loads(l2_disk(work / f"l2-{kind}", 4.0))]), mla=spec.mla),
+                    "server": make_backend("dynamic", kvtier_extra(server.url), mla=spec.mla),
+                }
+                page_mb = host_pool(spec).get_dummy_flat_data_page().numel() * spec.dtype.itemsize / 2**20
+                times = run(spec, backends, args.rounds, args.pages)
+                for name in ("embedded", "server"):
+                    backends[name].close()
+                print(f"\n{kind}: {args.pages} pages of {page_mb:.2f} MiB a batch, {args.rounds} rounds (median, p10-p90 over rounds)")
+                print(f"  {'op':<8}{'backend':<14}{'ms':>9}{'GB/s':>8}   ratio to HiCacheFile (p10-p90)")
+                for op, by_backend in times.items():
+                    for name, secs in by_backend.items():
+                        med = statistics.median(secs)
+                        line = f"  {op:<8}{name:<14}{med * 1e3:9.2f}"
+                        line += f"{args.pages * page_mb / 1024 / med:8.2f}" if op != "exists" else f"{'':>8}"
+                        if name != "hicache_file":
+                            mid, low, high = paired_ratio(secs, by_backend["hicache_file"])
+                            ratios.setdefault(op, {}).setdefault(name, {})[kind] = round(mid, 3)
+                            ratios[op][name][f"{kind}_p10_p90"] = [round(low, 3), round(high, 3)]
+                            line += f"   {mid:6.2f}x ({low:.2f}-{high:.2f})"
+                        print(line)
+                    summary.setdefault("ms", {}).setdefault(kind, {})[op] = {
+                        name: round(statistics.median(secs) * 1e3, 3) for name, secs in by_backend.items()}
+        finally:
+            server.stop()
+    figures = {f"{op}_{name}": min(ratios[op][name][kind] for kind in SPECS) for op in ("set", "get") for name in ("embedded", "server")}
+    met = report(figures, TARGETS)
+    summary["vs_hicache_file"] = ratios
+    return finish(summary, met, args.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
