@@ -242,7 +242,7 @@ class TokenCache:
         except BaseException:
             self.key_store.abort([r for _, _, r in slots])
             raise
-        committed = iter(self._commit(slots))
+        committed = iter(self.commit_each(slots))
         held = [r is None or next(committed) for r in reservations]
         return sum(r is not None and ok for r, ok in zip(reservations, held)), held + [False] * (len(spans) - len(held))
 
@@ -262,10 +262,10 @@ class TokenCache:
     def commit_filled(self, slots: Sequence[tuple[Namespace, ChunkSpan, Reservation]]) -> int:
         """Seal filled slots and make them visible in one commit (a key cached meanwhile is not
         stored twice); the number of chunks stored."""
-        return sum(self._commit(slots))
+        return sum(self.commit_each(slots))
 
-    def _commit(self, slots: Sequence[tuple[Namespace, ChunkSpan, Reservation]]) -> list[bool]:
-        """``commit_filled``'s work: whether each slot's chunk is stored now."""
+    def commit_each(self, slots: Sequence[tuple[Namespace, ChunkSpan, Reservation]]) -> list[bool]:
+        """``commit_filled``, answering per slot whether its chunk is stored now."""
         if not slots:
             return []
         try:

@@ -116,6 +116,7 @@ def test_set_exists_get_are_byte_exact(rig, spec):
     keys = keys_of("exact")
     assert backend.batch_exists_v2(keys, []).kv_hit_pages == 0
     assert store(backend, pools, keys) == [True] * PAGES
+    assert store(backend, pools, keys) == [True] * PAGES  # stored already: still there
     assert backend.batch_exists_v2(keys, []).kv_hit_pages == PAGES
     assert backend.batch_exists(keys) == PAGES
     assert load(backend, pools, keys) == [True] * PAGES

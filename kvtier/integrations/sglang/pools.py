@@ -15,7 +15,6 @@ import warnings
 from dataclasses import dataclass
 
 import blake3
-import numpy as np
 import torch
 
 from kvtier.errors import ConfigError
@@ -106,14 +105,21 @@ class BoundPool:
     # -- pages --------------------------------------------------------------------------------
 
     def copy_out(self, index: int, dest: memoryview) -> None:
-        """The page at host slot ``index`` into ``dest`` (exactly one page)."""
-        self.tensor_out(self.pool.get_data_page(index, flat=True), dest)
+        """The page at host slot ``index`` into ``dest`` (exactly one page), in one copy: the
+        pool's page view (``flat=False``) in C order is its flat page."""
+        view = self.pool.get_data_page(index, flat=False)
+        if view.numel() != self.page_elements or view.dtype != self.page_dtype:
+            raise ValueError(f"page of {view.numel()} {view.dtype} for pool {self.name!r} of {self.page_elements} {self.page_dtype}")
+        self._writable(dest).view(view.shape).copy_(view)
 
     def tensor_out(self, page: torch.Tensor, dest: memoryview) -> None:
-        raw = page.contiguous().view(torch.uint8).reshape(-1).numpy()
-        if raw.size != self.page_bytes:
-            raise ValueError(f"page of {raw.size} bytes for pool {self.name!r} of {self.page_bytes}-byte pages")
-        np.frombuffer(dest, dtype=np.uint8)[:] = raw
+        """A page tensor SGLang hands (a flat data page) into ``dest``."""
+        if page.numel() * page.element_size() != self.page_bytes:
+            raise ValueError(f"page of {page.numel() * page.element_size()} bytes for pool {self.name!r} of {self.page_bytes}-byte pages")
+        self._writable(dest).view(page.dtype).view(page.shape).copy_(page)
+
+    def _writable(self, dest: memoryview) -> torch.Tensor:
+        return torch.frombuffer(dest, dtype=self.page_dtype, count=self.page_elements)
 
     def copy_in(self, index: int, payload: memoryview) -> None:
         """A page's bytes into host slot ``index``."""

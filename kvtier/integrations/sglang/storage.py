@@ -33,6 +33,7 @@ from kvtier.client import KvtierClient
 from kvtier.integrations.sglang.config import StorageConfig, parse_extra_config
 from kvtier.integrations.sglang.pools import BoundPool, Shard
 from kvtier.keys import ChunkSpan
+from kvtier.objects import HEADER_SIZE
 from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -230,13 +231,24 @@ class KvtierStorage(HiCacheStorage):
     # -- write --------------------------------------------------------------------------------
 
     def _write(self, pool: BoundPool, keys: list[str], extra_info, page: Callable[[int, memoryview], None]) -> list[bool]:
-        """Store ``keys``' pages not stored yet; ``page(i, dest)`` writes page i's bytes."""
+        """Store ``keys``' pages not stored yet; ``page(i, dest)`` writes page i's bytes. Through
+        a server, into slots it reserved ahead (no round trip before the copies), else reserved
+        now."""
         if not self._writes(pool):
             return [True] * len(keys)  # the MLA storage writer stores these very pages
         spans = pool.spans(keys, _first_page(extra_info), _salt(extra_info))
         index = {span.key: i for i, span in enumerate(spans)}
-        return self.cache.store_each([(pool.namespace, spans)], lambda span, dest: page(index[span.key], dest),
-                                     tenant=self.config.tenant or "")
+        groups, tenant = [(pool.namespace, spans)], self.config.tenant or ""
+        lent = self.cache.lend_spans(groups, tenant=tenant)
+        if lent is None:
+            return self.cache.store_each(groups, lambda span, dest: page(index[span.key], dest), tenant=tenant)
+        try:
+            for _, span, slot in lent:
+                page(index[span.key], slot.view[HEADER_SIZE:])
+        except BaseException:
+            self.cache.key_store.abort([slot for _, _, slot in lent])
+            raise
+        return self.cache.commit_each(lent)
 
     def _write_from_host(self, pool: BoundPool, keys, host_indices, extra_info) -> list[bool]:
         starts = host_indices[:: pool.page_size].tolist() if host_indices is not None else []
