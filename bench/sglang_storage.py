@@ -23,21 +23,19 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvtier_testing.sglang_storage import (  # noqa: E402
+from kvtier_testing.sglang_storage import (
     PoolSpec, file_extra, host_pool, import_sglang, kvtier_extra, l2_disk, make_backend,
 )
-from kvtier_testing.targets import Target, add_check_flag, finish, report  # noqa: E402
-from kvtier_testing.timing import paired_ratio  # noqa: E402
+from kvtier_testing.targets import Target, add_check_flag, finish, report
+from kvtier_testing.timing import paired_ratio
 
 import_sglang()
-import torch  # noqa: E402
+import torch
 
 # One thread per copy, as on SGLang's storage threads: a page copy split over OpenMP threads on a
 # shared, loaded machine waits for a descheduled thread (copies of 5 ms instead of 0.05 ms, either backend).
 torch.set_num_threads(1)
-from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
 SPECS = {
     "mha": PoolSpec(kind="mha", layers=4, heads=8, head_dim=128, page_size=64, tokens=4096),
