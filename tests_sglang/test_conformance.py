@@ -358,3 +358,25 @@ def test_negative_control_damaged_pages_fail_the_exactness_check(tmp_path, reque
     with pytest.raises(AssertionError, match="page 2 differs"):
         assert_same_pages(pools, PAGES)
     rig.close()
+
+
+def test_bad_calls_fail_open_and_lose_nothing(kvtier_rig):
+    """Host indices of the wrong length, a pool never registered, pages of the wrong size: each
+    call answers False or a miss (logged once, counted); pages stored before are still there."""
+    backend, pools = kvtier_rig.backend(PoolSpec())
+    pool = pools[PoolName.KV]
+    fill_random(pool, 80)
+    keys = keys_of("bad")
+    store(backend, pools, keys)
+    short = PoolTransfer(name=PoolName.KV, host_indices=indices(pool, 1, PAGES - 1), keys=keys)
+    assert backend.batch_set_v2([short])[PoolName.KV] == [False] * PAGES
+    assert backend.batch_get_v2([short])[PoolName.KV] == [False] * PAGES
+    unknown = PoolTransfer(name=PoolName.SWA, host_indices=indices(pool, 1, PAGES), keys=keys)
+    assert backend.batch_set_v2([unknown])[PoolName.SWA] == [False] * PAGES
+    result = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.SWA, keys=keys)])
+    assert result.kv_hit_pages == 0
+    assert backend.batch_set(keys_of("bad-size", 1), [torch.zeros(3)]) is False
+    assert backend.get_stats()["failed_open_calls"] == 5
+    assert backend.batch_exists_v2(keys, []).kv_hit_pages == PAGES
+    assert load(backend, pools, keys) == [True] * PAGES
+    assert_same_pages(pools, PAGES)

@@ -51,6 +51,14 @@ def _first_page(extra_info: HiCacheStorageExtraInfo | None) -> int:
     return len(extra_info.prefix_keys or ()) if extra_info is not None else 0
 
 
+def _page_starts(pool: BoundPool, keys: list[str], host_indices: torch.Tensor | None) -> list[int]:
+    """The host slot each page of ``keys`` starts at (SGLang hands every slot of every page)."""
+    if host_indices is None or host_indices.numel() != len(keys) * pool.page_size:
+        got = 0 if host_indices is None else host_indices.numel()
+        raise ValueError(f"{len(keys)} pages of pool {pool.name!r} need {len(keys) * pool.page_size} host indices, got {got}")
+    return host_indices[:: pool.page_size].tolist()
+
+
 class KvtierStorage(HiCacheStorage):
     """The backend; SGLang's factory builds it as ``KvtierStorage(storage_config, kwargs)``."""
 
@@ -186,9 +194,7 @@ class KvtierStorage(HiCacheStorage):
         return [True] * len(chunks) + [False] * (len(keys) - len(chunks))
 
     def _read_into_host(self, pool: BoundPool, keys, host_indices, extra_info) -> list[bool]:
-        starts = host_indices[:: pool.page_size].tolist() if host_indices is not None else []
-        if len(starts) != len(keys) or host_indices.numel() != len(keys) * pool.page_size:
-            raise ValueError(f"{len(keys)} pages of pool {pool.name!r} need {len(keys) * pool.page_size} host indices")
+        starts = _page_starts(pool, keys, host_indices)
         return self._read(pool, keys, extra_info, lambda i, payload: pool.copy_in(starts[i], payload))
 
     def get(self, key: str, target_location=None, target_sizes=None) -> torch.Tensor | None:
@@ -211,21 +217,20 @@ class KvtierStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        try:
-            return self._read_into_host(self.pools[PoolName.KV.value], keys, host_indices, extra_info)
-        except Exception as exc:
-            return self._fail_open("batch_get_v1", exc, [False] * len(keys))
+        return self.batch_get_v2([PoolTransfer(PoolName.KV, host_indices=host_indices, keys=keys)], extra_info)[PoolName.KV]
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._per_pool("batch_get_v2", transfers, lambda pool, t: self._read_into_host(pool, t.keys or [], t.host_indices, extra_info))
+
+    def _per_pool(self, what: str, transfers: list[PoolTransfer], move: Callable[[BoundPool, PoolTransfer], list[bool]]) -> dict[str, list[bool]]:
+        """``move`` each transfer's pages; a transfer that fails is all False, the others go on."""
         results = {}
         for transfer in transfers:
-            keys = transfer.keys or []
             try:
-                results[transfer.name] = self._read_into_host(self.pools[str(transfer.name)], keys,
-                                                              transfer.host_indices, extra_info)
+                results[transfer.name] = move(self.pools[str(transfer.name)], transfer)
             except Exception as exc:
-                results[transfer.name] = self._fail_open("batch_get_v2", exc, [False] * len(keys))
+                results[transfer.name] = self._fail_open(what, exc, [False] * len(transfer.keys or []))
         return results
 
     # -- write --------------------------------------------------------------------------------
@@ -251,9 +256,7 @@ class KvtierStorage(HiCacheStorage):
         return self.cache.commit_each(lent)
 
     def _write_from_host(self, pool: BoundPool, keys, host_indices, extra_info) -> list[bool]:
-        starts = host_indices[:: pool.page_size].tolist() if host_indices is not None else []
-        if len(starts) != len(keys) or host_indices.numel() != len(keys) * pool.page_size:
-            raise ValueError(f"{len(keys)} pages of pool {pool.name!r} need {len(keys) * pool.page_size} host indices")
+        starts = _page_starts(pool, keys, host_indices)
         return self._write(pool, keys, extra_info, lambda i, dest: pool.copy_out(starts[i], dest))
 
     def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
@@ -272,22 +275,11 @@ class KvtierStorage(HiCacheStorage):
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        try:
-            return self._write_from_host(self.pools[PoolName.KV.value], keys, host_indices, extra_info)
-        except Exception as exc:
-            return self._fail_open("batch_set_v1", exc, [False] * len(keys))
+        return self.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=host_indices, keys=keys)], extra_info)[PoolName.KV]
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        results = {}
-        for transfer in transfers:
-            keys = transfer.keys or []
-            try:
-                results[transfer.name] = self._write_from_host(self.pools[str(transfer.name)], keys,
-                                                               transfer.host_indices, extra_info)
-            except Exception as exc:
-                results[transfer.name] = self._fail_open("batch_set_v2", exc, [False] * len(keys))
-        return results
+        return self._per_pool("batch_set_v2", transfers, lambda pool, t: self._write_from_host(pool, t.keys or [], t.host_indices, extra_info))
 
     # -- the rest -----------------------------------------------------------------------------
 
