@@ -47,9 +47,10 @@ def import_sglang() -> None:
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """One host pool geometry: ``mla`` or MHA, SGLang's host ``layout``."""
+    """One host pool geometry: MHA or MLA KV, or Mamba state (``heads`` x ``head_dim`` float32 per
+    layer, beside a small conv state of ``dtype``); SGLang's host ``layout``."""
 
-    kind: str = "mha"  # "mha" or "mla"
+    kind: str = "mha"  # "mha", "mla" or "mamba"
     layout: str = "page_first"
     page_size: int = 16
     layers: int = 4
@@ -70,6 +71,14 @@ def host_pool(spec: PoolSpec):
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
+    if spec.kind == "mamba":  # one state per slot: SGLang's Mamba pool has pages of one slot
+        from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+        from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+        slots = spec.tokens // spec.page_size
+        info = MambaStateBufferInfo(temporal=torch.zeros(spec.layers, slots + 1, spec.heads, spec.head_dim),
+                                    conv=(torch.zeros(spec.layers, slots + 1, 8, 3, dtype=spec.dtype),))
+        return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, layout=spec.layout)
     common = dict(pin_memory=False, device="cpu", start_layer=0, end_layer=spec.layers)
     if spec.mla:  # kv_lora_rank 4 * head_dim / 8... any split: the host pool keeps their sum per token
         device = MLATokenToKVPool(spec.tokens, spec.page_size, spec.dtype, spec.head_dim, spec.head_dim // 4,

@@ -73,9 +73,13 @@ def kvtier_rig(request, tmp_path):
     r.close()
 
 
-def fill_random(pool, seed: int) -> None:
-    raw = pool.kv_buffer.view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+def fill_random(pool, seed: int, pages: int = 64) -> None:
+    """Random bytes in the first ``pages`` pages of ``pool``."""
+    generator = torch.Generator().manual_seed(seed)
+    size = pool.get_dummy_flat_data_page().numel() * pool.get_dummy_flat_data_page().element_size()
+    for i in range(pages):
+        data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+        pool.set_from_flat_data_page(i * pool.page_size, data.view(pool.get_dummy_flat_data_page().dtype))
 
 
 def indices(pool, first_page: int, pages: int) -> torch.Tensor:
@@ -157,9 +161,11 @@ def test_exists_is_the_longest_prefix(rig):
 
 
 def test_side_pool_hit_policies(rig):
-    """A Mamba-like state pool with ``trailing_pages`` (only the last pages of a prefix need it)
-    and an SWA-like pool with ``all_pages``: a hit is a length every pool can restore."""
-    side = {PoolName.MAMBA: PoolSpec(heads=1, head_dim=32), PoolName.SWA: PoolSpec(heads=1, head_dim=16)}
+    """SGLang's Mamba state pool with ``trailing_pages`` (only the last pages of a prefix need
+    it) and an SWA pool (an MHA host pool of its own) with ``all_pages``: a hit is a length every
+    pool can restore."""
+    side = {PoolName.MAMBA: PoolSpec(kind="mamba", heads=2, head_dim=32, dtype=torch.bfloat16),
+            PoolName.SWA: PoolSpec(heads=1, head_dim=16)}
     backend, pools = rig.backend(PoolSpec(), side)
     for i, pool in enumerate(pools.values()):
         fill_random(pool, 10 + i)
