@@ -15,6 +15,7 @@ the targets, and a last JSON line with ``vs_hicache_file[op][backend]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -38,8 +39,8 @@ torch.set_num_threads(1)
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
 SPECS = {
-    "mha": PoolSpec(kind="mha", layers=4, heads=8, head_dim=128, page_size=64, tokens=4096),
-    "mla": PoolSpec(kind="mla", layers=4, head_dim=512, page_size=64, tokens=4096),  # 576-wide latent
+    "mha": PoolSpec(kind="mha", layers=4, heads=8, head_dim=128, page_size=64),
+    "mla": PoolSpec(kind="mla", layers=4, head_dim=512, page_size=64),  # a 640-wide latent
 }
 TARGETS = {
     "set_embedded": Target(">=", 1.0, "issue 42: at least HiCacheFile's set on local disk"),
@@ -83,7 +84,7 @@ class Bench:
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
 
     def _embedded(self):
-        return make_backend("dynamic", kvtier_extra(l1_size_gb=1.0, l2_adapters=[json.loads(l2_disk(self.l2_dir, 4.0))]),
+        return make_backend("dynamic", kvtier_extra(l1_size_gb=2.0, l2_adapters=[json.loads(l2_disk(self.l2_dir, 4.0))]),
                             mla=self.spec.mla)
 
     def to_disk(self) -> None:
@@ -146,7 +147,7 @@ def run(bench: Bench, rounds: int, pages: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--pages", type=int, default=32, help="pages per batch (SGLang's STORAGE_BATCH_SIZE is 128)")
+    parser.add_argument("--pages", type=int, default=128, help="pages per call (SGLang's STORAGE_BATCH_SIZE: 128)")
     add_check_flag(parser)
     args = parser.parse_args()
     from kvtier_testing.kvtier_processes import ServerProcess
@@ -154,10 +155,11 @@ def main() -> int:
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}, cpus {os.cpu_count()}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("KVTIER_BENCH_DIR")) as work:
         work = Path(work)
-        server = ServerProcess(work, l1_gb=1.0).start()
+        server = ServerProcess(work, l1_gb=2.0).start()
         summary, ratios = {"load_average": [round(x, 2) for x in os.getloadavg()]}, {}
         try:
             for kind, spec in SPECS.items():
+                spec = dataclasses.replace(spec, tokens=(args.pages + 1) * spec.page_size)  # host pool: twice that
                 bench = Bench(spec, work, server.url)
                 page_mb = bench.pools["server"].get_dummy_flat_data_page().numel() * spec.dtype.itemsize / 2**20
                 times = run(bench, args.rounds, args.pages)
