@@ -99,7 +99,7 @@ $(SGLANG_STAMP): $(STAMP)
 
 # kvtier and SGLang's HiCacheFile through one conformance suite (SGLang's real storage classes)
 test-sglang: $(SGLANG_STAMP)
-	PYTHONPATH=$(CURDIR) $(SGLANG_PY) -m pytest -q tests_sglang -W ignore::UserWarning
+	PYTHONPATH=$(CURDIR) KVTIER_MAIN_PYTHON=$(abspath $(PY)) $(SGLANG_PY) -m pytest -q tests_sglang -W ignore::UserWarning
 
 bench-sglang: $(SGLANG_STAMP)
 	PYTHONPATH=$(CURDIR) $(SGLANG_PY) bench/sglang_storage.py --check
