@@ -335,7 +335,6 @@ def test_a_server_that_is_gone_is_a_miss_within_the_timeout(tmp_path, request, h
             assert load(backend, pools, keys) == [False] * PAGES
             assert store(backend, pools, keys_of("gone-new")) == [False] * PAGES
             assert time.monotonic() - start < 4 * 0.5 + 1
-        assert backend.get_stats()["failed_open_calls"] >= 0
     finally:
         if how == "stopped":
             rig.server.proc.send_signal(__import__("signal").SIGCONT)
@@ -382,7 +381,33 @@ def test_bad_calls_fail_open_and_lose_nothing(kvtier_rig):
     result = backend.batch_exists_v2(keys, [PoolTransfer(name=PoolName.SWA, keys=keys)])
     assert result.kv_hit_pages == 0
     assert backend.batch_set(keys_of("bad-size", 1), [torch.zeros(3)]) is False
-    assert backend.get_stats()["failed_open_calls"] == 5
+    assert backend.kvtier_stats()["failed_open_calls"] == 5
     assert backend.batch_exists_v2(keys, []).kv_hit_pages == PAGES
     assert load(backend, pools, keys) == [True] * PAGES
     assert_same_pages(pools, PAGES)
+
+
+@pytest.fixture(scope="module")
+def storage_metrics_collector():
+    """SGLang's collector (its metrics register once per process)."""
+    from sglang.srt.observability.metrics_collector import StorageMetricsCollector
+
+    return StorageMetricsCollector(labels={"backend": "kvtier"})
+
+
+def test_storage_metrics_are_sglangs_own(kvtier_rig, storage_metrics_collector):
+    """``get_stats`` hands SGLang's ``StorageMetrics`` (pages and GB/s of each call since the last
+    ask), which its collector logs as it logs Mooncake's."""
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    backend, pools = kvtier_rig.backend(PoolSpec())
+    fill_random(pools[PoolName.KV], 90)
+    keys = keys_of("metrics")
+    store(backend, pools, keys)
+    load(backend, pools, keys)
+    metrics = backend.get_stats()
+    assert isinstance(metrics, StorageMetrics)
+    assert (metrics.backup_pgs, metrics.prefetch_pgs) == ([PAGES], [PAGES])
+    assert len(metrics.backup_bandwidth) == len(metrics.prefetch_bandwidth) == 1
+    assert backend.get_stats().backup_pgs == []
+    storage_metrics_collector.log_storage_metrics(metrics)

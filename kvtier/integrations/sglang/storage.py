@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,6 +28,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
+
+from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
@@ -74,9 +77,10 @@ class KvtierStorage(HiCacheStorage):
                            storage_config.dcp_rank, storage_config.dcp_size)
         self.cache = TokenCache(self._open_store())
         self.pools: dict[str, BoundPool] = {}
-        self._failures = 0  # calls that failed open (logged once per kind, counted in get_stats)
+        self._failures = 0  # calls that failed open (logged once per kind, counted in kvtier_stats)
         self._logged: set[str] = set()
         self._lock = threading.Lock()
+        self._metrics = StorageMetrics()  # SGLang's per-call figures since its last get_stats
 
     def _open_store(self):
         c = self.config
@@ -187,11 +191,20 @@ class KvtierStorage(HiCacheStorage):
         spans = pool.spans(keys, _first_page(extra_info), _salt(extra_info))
         if not spans:
             return []
+        start = time.perf_counter()
         with self.cache.retrieve_spans(pool.namespace, spans) as retrieval:
             chunks = retrieval.chunks
             for i, chunk in enumerate(chunks):
                 place(i, chunk.payload)
+        self._measured(pool, len(chunks), start, self._metrics.prefetch_pgs, self._metrics.prefetch_bandwidth)
         return [True] * len(chunks) + [False] * (len(keys) - len(chunks))
+
+    def _measured(self, pool: BoundPool, pages: int, start: float, counts: list, bandwidths: list) -> None:
+        seconds = time.perf_counter() - start
+        with self._lock:
+            counts.append(pages)
+            if pages and seconds > 0:
+                bandwidths.append(pages * pool.page_bytes / seconds / 1e9)
 
     def _read_into_host(self, pool: BoundPool, keys, host_indices, extra_info) -> list[bool]:
         starts = _page_starts(pool, keys, host_indices)
@@ -244,16 +257,20 @@ class KvtierStorage(HiCacheStorage):
         spans = pool.spans(keys, _first_page(extra_info), _salt(extra_info))
         index = {span.key: i for i, span in enumerate(spans)}
         groups, tenant = [(pool.namespace, spans)], self.config.tenant or ""
+        start = time.perf_counter()
         lent = self.cache.lend_spans(groups, tenant=tenant)
         if lent is None:
-            return self.cache.store_each(groups, lambda span, dest: page(index[span.key], dest), tenant=tenant)
-        try:
-            for _, span, slot in lent:
-                page(index[span.key], slot.view[HEADER_SIZE:])
-        except BaseException:
-            self.cache.key_store.abort([slot for _, _, slot in lent])
-            raise
-        return self.cache.commit_each(lent)
+            held = self.cache.store_each(groups, lambda span, dest: page(index[span.key], dest), tenant=tenant)
+        else:
+            try:
+                for _, span, slot in lent:
+                    page(index[span.key], slot.view[HEADER_SIZE:])
+            except BaseException:
+                self.cache.key_store.abort([slot for _, _, slot in lent])
+                raise
+            held = self.cache.commit_each(lent)
+        self._measured(pool, sum(held), start, self._metrics.backup_pgs, self._metrics.backup_bandwidth)
+        return held
 
     def _write_from_host(self, pool: BoundPool, keys, host_indices, extra_info) -> list[bool]:
         starts = _page_starts(pool, keys, host_indices)
@@ -291,7 +308,14 @@ class KvtierStorage(HiCacheStorage):
         else:
             log.warning("kvtier storage: not clearing kvtier server %s from SGLang (use its admin action)", self.config.url)
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> StorageMetrics:
+        """SGLang's storage metrics (pages and GB/s of each read and write call) since the last
+        call; kvtier's own counters are in ``kvtier_stats``."""
+        with self._lock:
+            metrics, self._metrics = self._metrics, StorageMetrics()
+        return metrics
+
+    def kvtier_stats(self) -> dict:
         s = self.cache.stats
         return {"stored_pages": s.stored_chunks, "cached_pages": s.skipped_chunks, "failed_pages": s.failed_chunks,
                 "dropped_pages": s.dropped_chunks, "refused_pages": s.refused, "failed_open_calls": self._failures}
