@@ -411,3 +411,28 @@ def test_storage_metrics_are_sglangs_own(kvtier_rig, storage_metrics_collector):
     assert len(metrics.backup_bandwidth) == len(metrics.prefetch_bandwidth) == 1
     assert backend.get_stats().backup_pgs == []
     storage_metrics_collector.log_storage_metrics(metrics)
+
+
+def test_pages_damaged_on_disk_are_misses_never_wrong_bytes(tmp_path, request):
+    """kvtier's half of the negative control: a page whose bytes changed on disk behind kvtier's
+    back fails its checksum, and is a miss (SGLang recomputes), never KV handed to the engine."""
+    rig = Rig("kvtier_embedded", tmp_path, request)
+    backend, pools = rig.backend(PoolSpec())
+    fill_random(pools[PoolName.KV], 100)
+    keys = keys_of("rot")
+    store(backend, pools, keys)
+    backend.cache.key_store.flush()
+    rig.close()
+    rig.made.clear()
+    files = sorted(p for p in (tmp_path / "l2").rglob("*") if p.is_file() and p.stat().st_size > 4096)
+    assert len(files) == PAGES
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    again, again_pools = rig.backend(PoolSpec())
+    pool = again_pools[PoolName.KV]
+    pool.set_from_flat_data_page(40 * pool.page_size, pool.get_dummy_flat_data_page())  # zeros
+    assert load(again, again_pools, keys) == [False] * PAGES
+    assert torch.count_nonzero(page(pool, 40)) == 0  # nothing was written into the host pool
+    rig.close()
