@@ -132,12 +132,9 @@ class KvtierStorage(HiCacheStorage):
 
     # -- find ---------------------------------------------------------------------------------
 
-    def _prefix(self, pool: BoundPool, spans: Sequence[ChunkSpan]) -> int:
+    def _prefix(self, spans: Sequence[ChunkSpan]) -> int:
+        """How many of ``spans``' pages from the first are stored (one round trip)."""
         return len(self.cache.key_store.locate(spans).tiers) if spans else 0
-
-    def _present(self, pool: BoundPool, spans: Sequence[ChunkSpan]) -> list[bool]:
-        located = self.cache.key_store.locate_groups([([s], []) for s in spans]) if spans else []
-        return [bool(found.tiers) for found in located]
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -145,7 +142,7 @@ class KvtierStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:
             pool = self.pools[PoolName.KV.value]
-            return self._prefix(pool, pool.spans(keys, _first_page(extra_info), _salt(extra_info)))
+            return self._prefix(pool.spans(keys, _first_page(extra_info), _salt(extra_info)))
         except Exception as exc:
             return self._fail_open("batch_exists", exc, 0)
 
@@ -157,29 +154,32 @@ class KvtierStorage(HiCacheStorage):
             return self._fail_open("batch_exists_v2", exc, PoolTransferResult.empty())
 
     def _exists_v2(self, keys, transfers, extra_info) -> PoolTransferResult:
+        """The KV prefix, then each side pool's pages by its hit policy: every chain asked in one
+        round trip (an ``all_pages`` pool's run from the first page, a ``trailing_pages`` pool's
+        pages one by one), the answer the longest prefix every pool can restore."""
         first, salt = _first_page(extra_info), _salt(extra_info)
-        kv = self.pools[PoolName.KV.value]
-        kv_pages = self._prefix(kv, kv.spans(keys, first, salt))
+        kv = self.pools[PoolName.KV.value].spans(keys, first, salt)
+        chains, asked = [(kv, [])], []
+        for transfer in transfers:
+            if transfer.hit_policy not in (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES):
+                raise ValueError(f"hit policy {transfer.hit_policy} of pool {transfer.name!s} is not supported")
+            spans = self.pools[str(transfer.name)].spans(keys, first, salt)
+            singles = transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES
+            asked.append((transfer, len(chains), singles))
+            chains += [([s], []) for s in spans] if singles else [(spans, [])]
+        found = [len(located.tiers) for located in self.cache.key_store.locate_groups(chains)] if keys else [0] * len(chains)
+        kv_pages = found[0]
         hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
-        for transfer in transfers:
-            if not restorable:
-                break
-            name = str(transfer.name)
-            pool = self.pools[name]
-            spans = pool.spans(keys[:kv_pages], first, salt)
-            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
-                boundary = self._prefix(pool, spans)
-                allowed = set(range(1, boundary + 1))
-            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+        for transfer, at, singles in asked:
+            if singles:
+                present = [bool(n) for n in found[at:at + kv_pages]]
                 trailing = max(1, len(transfer.keys or ()))
-                present = self._present(pool, spans)
                 allowed = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing):n])}
-                boundary = max(allowed, default=0)
             else:
-                raise ValueError(f"hit policy {transfer.hit_policy} of pool {name!r} is not supported")
-            if boundary:
-                hits[name] = boundary
+                allowed = set(range(1, min(found[at], kv_pages) + 1))
+            if allowed:
+                hits[str(transfer.name)] = max(allowed)
             restorable &= allowed
         ordered = sorted(restorable)
         return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
