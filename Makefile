@@ -74,24 +74,26 @@ bench-families: $(STAMP)
 	$(PY) bench/vllm_ttft.py --quick --families all --repeats 3 --check
 
 # SGLang's storage layer beside the CPU torch, for the conformance suite (tests_sglang/) and
-# bench/sglang_storage.py: a venv that sees .venv's packages (a .pth file) and adds SGLang without its
-# pins (--no-deps: they name CUDA 13 kernels and replace the torch) and what its storage modules
-# import beyond .venv (torchvision without its torch: kvtier_testing/sglang_storage.py says why that
-# loads). Kept in the user cache ($$KVTIER_CACHE_DIR, else ~/.cache/kvtier), so CI runs on one
-# machine build it once; a fresh machine builds it (a failure stops the target: nothing is skipped).
+# bench/sglang_storage.py: a venv that sees .venv's packages (a .pth file, rewritten on every run, so
+# the cached venv follows whichever checkout runs it) and adds SGLang without its pins (--no-deps:
+# they name CUDA 13 kernels and replace the torch) and what its storage modules import beyond .venv
+# (torchvision without its torch: kvtier_testing/sglang_storage.py says why that loads). Kept in the
+# user cache ($$KVTIER_CACHE_DIR, else ~/.cache/kvtier) under a name made of its pins, so CI runs on
+# one machine build it once; a fresh machine builds it, and a failure stops the target (no skip).
 SGLANG_PIN := sglang==0.5.23
 SGLANG_EXTRAS := orjson==3.13.0 torchvision==0.28.0
 SGLANG_EXTRAS_DEPS := ipython==9.18.1 gguf==0.19.0
-SGLANG_VENV := $(or $(KVTIER_CACHE_DIR),$(HOME)/.cache/kvtier)/sglang-venv-$(subst ==,-,$(SGLANG_PIN))
+SGLANG_VENV := $(or $(KVTIER_CACHE_DIR),$(HOME)/.cache/kvtier)/sglang-venv-$(shell echo $(SGLANG_PIN) $(SGLANG_EXTRAS) $(SGLANG_EXTRAS_DEPS) | md5sum | cut -c1-10)
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_SEES_VENV = $(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > "$$($(SGLANG_PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))")/kvtier-venv.pth"
 
 sglang-venv: $(SGLANG_STAMP)
 
-$(SGLANG_STAMP): $(STAMP)
+$(SGLANG_STAMP): | $(STAMP)
 	rm -rf $(SGLANG_VENV)
 	$(PY) -m venv $(SGLANG_VENV)
-	$(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > "$$($(SGLANG_PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))")/kvtier-venv.pth"
+	$(SGLANG_SEES_VENV)
 	$(SGLANG_PY) -m pip install --quiet --no-deps $(SGLANG_PIN) $(SGLANG_EXTRAS)
 	$(SGLANG_PY) -m pip install --quiet $(SGLANG_EXTRAS_DEPS)
 	PYTHONPATH=$(CURDIR) $(SGLANG_PY) -c "from kvtier_testing.sglang_storage import import_sglang; import_sglang(); import sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.pool_host.mla"
@@ -99,9 +101,11 @@ $(SGLANG_STAMP): $(STAMP)
 
 # kvtier and SGLang's HiCacheFile through one conformance suite (SGLang's real storage classes)
 test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_SEES_VENV)
 	PYTHONPATH=$(CURDIR) KVTIER_MAIN_PYTHON=$(abspath $(PY)) $(SGLANG_PY) -m pytest -q tests_sglang -W ignore::UserWarning
 
 bench-sglang: $(SGLANG_STAMP)
+	$(SGLANG_SEES_VENV)
 	PYTHONPATH=$(CURDIR) $(SGLANG_PY) bench/sglang_storage.py --check
 
 clean:
