@@ -40,12 +40,13 @@ class FrequencySketch:
     def _resize(self, expected_keys: int) -> None:
         self.keys = 1 << max(4, (max(expected_keys, 1) - 1).bit_length())
         self.width = 4 * self.keys  # 16 counters per key over the rows, as Caffeine's sketch has
-        self._table = np.zeros((self.depth, self.width), dtype=np.uint8)
+        # np.full writes every page now (np.zeros would leave each to fault on a sighting's first touch)
+        self._table = np.full((self.depth, self.width), 0, dtype=np.uint8)
         self._counters = memoryview(self._table).cast("B")  # row i's cell c at i * width + c
         self.sample_size = self.sample_factor * self.keys
         # the doorkeeper holds up to a sample's keys until it is cleared: 8 bits a key, 4 hashes
         # (about 2 % false positives; a byte a bit)
-        self._door = np.zeros(8 * self.sample_size, dtype=bool)
+        self._door = np.full(8 * self.sample_size, False, dtype=bool)
         self._door_bytes = memoryview(self._door.view(np.uint8))
         self._sightings = 0
 
