@@ -17,7 +17,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvtier_testing.sglang_storage import PoolSpec, file_extra, host_pool, kvtier_extra, l2_disk, make_backend
 
 BACKENDS = ["hicache_file", "kvtier_embedded", "kvtier_server"]
-SPECS = [PoolSpec(), PoolSpec(layout="layer_first"), PoolSpec(kind="mla"), PoolSpec(kind="mla", layout="layer_first")]
+SPECS = [PoolSpec(), PoolSpec(layout="layer_first"), PoolSpec(layout="page_first_direct"), PoolSpec(kind="mla"),
+         PoolSpec(kind="mla", layout="layer_first"), PoolSpec(kind="mla", layout="page_first_direct")]
 PAGES = 6
 
 
