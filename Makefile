@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo demo-transformers test test-fast bench bench-slow-remote bench-families peers lock wheel-smoke venv clean
+.PHONY: demo demo-transformers test test-fast bench bench-slow-remote bench-families peers lock wheel-smoke venv clean sglang-venv test-sglang bench-sglang
 
 venv: $(STAMP)
 
@@ -79,6 +79,41 @@ $(PEERS_STAMP): $(STAMP)
 # what a user sees, every family, LMCache beside kvtier where it runs (make peers first)
 bench-families: $(STAMP)
 	$(PY) bench/vllm_ttft.py --quick --families all --repeats 3 --check
+
+# SGLang's storage layer beside the CPU torch, for the conformance suite (tests_sglang/) and
+# bench/sglang_storage.py: a venv that sees .venv's packages (a .pth file, rewritten on every run, so
+# the cached venv follows whichever checkout runs it) and adds SGLang without its pins (--no-deps:
+# they name CUDA 13 kernels and replace the torch) and what its storage modules import beyond .venv
+# (torchvision without its torch: kvtier_testing/sglang_storage.py says why that loads). Kept in the
+# user cache ($$KVTIER_CACHE_DIR, else ~/.cache/kvtier) under a name made of its pins, so CI runs on
+# one machine build it once; a fresh machine builds it, and a failure stops the target (no skip).
+SGLANG_PIN := sglang==0.5.23
+SGLANG_EXTRAS := orjson==3.13.0 torchvision==0.28.0
+SGLANG_EXTRAS_DEPS := ipython==9.18.1 gguf==0.19.0
+SGLANG_VENV := $(or $(KVTIER_CACHE_DIR),$(HOME)/.cache/kvtier)/sglang-venv-$(shell echo $(SGLANG_PIN) $(SGLANG_EXTRAS) $(SGLANG_EXTRAS_DEPS) | md5sum | cut -c1-10)
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_SEES_VENV = $(PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))" > "$$($(SGLANG_PY) -c "import sysconfig; print(sysconfig.get_path('purelib'))")/kvtier-venv.pth"
+
+sglang-venv: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): | $(STAMP)
+	rm -rf $(SGLANG_VENV)
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_SEES_VENV)
+	$(SGLANG_PY) -m pip install --quiet --no-deps $(SGLANG_PIN) $(SGLANG_EXTRAS)
+	$(SGLANG_PY) -m pip install --quiet $(SGLANG_EXTRAS_DEPS)
+	PYTHONPATH=$(CURDIR) $(SGLANG_PY) -c "from kvtier_testing.sglang_storage import import_sglang; import_sglang(); import sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.pool_host.mla"
+	touch $@
+
+# kvtier and SGLang's HiCacheFile through one conformance suite (SGLang's real storage classes)
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_SEES_VENV)
+	PYTHONPATH=$(CURDIR) KVTIER_MAIN_PYTHON=$(abspath $(PY)) $(SGLANG_PY) -m pytest -q tests_sglang -W ignore::UserWarning
+
+bench-sglang: $(SGLANG_STAMP)
+	$(SGLANG_SEES_VENV)
+	PYTHONPATH=$(CURDIR) $(SGLANG_PY) bench/sglang_storage.py --check
 
 clean:
 	rm -rf $(VENV) $(PEERS) .cache .pytest_cache .hypothesis

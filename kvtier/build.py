@@ -4,6 +4,9 @@ nothing of the store, and the store builds no tiers."""
 from __future__ import annotations
 
 import logging
+import threading
+
+import msgspec
 
 from kvtier.codecs import codec_by_name
 from kvtier.config import StoreConfig
@@ -42,3 +45,33 @@ def build_store(config: StoreConfig, l1_buffer=None) -> TieredStore:
         raise
     return TieredStore(tiers[0], tiers[1:], chunk_size=config.chunk_size,
                        write_admission=[adapter.write_admission for adapter in config.l2_adapters])
+
+
+_shared_lock = threading.Lock()
+_shared: dict[bytes, list] = {}  # config -> [store, users]
+
+
+def open_shared_store(config: StoreConfig) -> TieredStore:
+    """The process's one embedded store of ``config``, built by its first user (its disk tier
+    locks its directory, so a second store of the same config could not open); hand it back
+    with ``close_shared_store``."""
+    key = msgspec.json.encode(config)
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None:
+            entry = _shared[key] = [build_store(config), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def close_shared_store(store: TieredStore) -> None:
+    """One user of ``open_shared_store``'s store is done; the last closes it."""
+    with _shared_lock:
+        for key, entry in _shared.items():
+            if entry[0] is store:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _shared[key]
+                    store.close()
+                return
+    store.close()

@@ -214,9 +214,24 @@ class TokenCache:
     ) -> int:
         """``store_spans`` of the spans of every (namespace, spans) group in one reserve and one
         commit (``records``: over all the spans in order)."""
+        return self._store(groups, fill, records, tenant)[0]
+
+    def store_each(
+        self,
+        groups: Sequence[tuple[Namespace, Sequence[ChunkSpan]]],
+        fill: FillFn,
+        records: Sequence[bytes] = (),
+        tenant: str = "",
+    ) -> list[bool]:
+        """``store_groups``, answering per span (over all the groups in order) whether the store
+        holds it now: stored by this call or cached already (an engine that asks per page)."""
+        return self._store(groups, fill, records, tenant)[1]
+
+    def _store(self, groups, fill: FillFn, records: Sequence[bytes], tenant: str) -> tuple[int, list[bool]]:
+        """The chunks stored, and whether each span is held after the call."""
         spans, items = self._flat(groups)
         if not spans:
-            return 0
+            return 0, []
         reservations = self.key_store.reserve(items, records, tenant)
         self.stats.failed_chunks += len(reservations) < len(spans)
         slots = [(namespace, span, r) for (namespace, span), r in zip(spans, reservations) if r is not None]
@@ -227,7 +242,9 @@ class TokenCache:
         except BaseException:
             self.key_store.abort([r for _, _, r in slots])
             raise
-        return self.commit_filled(slots)
+        committed = iter(self.commit_each(slots))
+        held = [r is None or next(committed) for r in reservations]
+        return sum(r is not None and ok for r, ok in zip(reservations, held)), held + [False] * (len(spans) - len(held))
 
     def lend_spans(
         self, groups: Sequence[tuple[Namespace, Sequence[ChunkSpan]]], records: Sequence[bytes] = (), tenant: str = ""
@@ -245,8 +262,12 @@ class TokenCache:
     def commit_filled(self, slots: Sequence[tuple[Namespace, ChunkSpan, Reservation]]) -> int:
         """Seal filled slots and make them visible in one commit (a key cached meanwhile is not
         stored twice); the number of chunks stored."""
+        return sum(self.commit_each(slots))
+
+    def commit_each(self, slots: Sequence[tuple[Namespace, ChunkSpan, Reservation]]) -> list[bool]:
+        """``commit_filled``, answering per slot whether its chunk is stored now."""
         if not slots:
-            return 0
+            return []
         try:
             for namespace, span, reservation in slots:
                 seal(reservation.view, span.key, namespace.layout, span.num_tokens, checksum=reservation.checksum)
@@ -258,7 +279,7 @@ class TokenCache:
         self.stats.dropped_chunks += len(slots) - len(stored)
         self.stats.stored_chunks += len(stored)
         self.stats.stored_tokens += sum(s.num_tokens for s in stored)
-        return len(stored)
+        return [bool(ok) for ok in committed]
 
     @classmethod
     def _flat(cls, groups: Sequence[tuple[Namespace, Sequence[ChunkSpan]]]

@@ -322,3 +322,18 @@ def test_block_records_follow_their_objects_down_and_back_up(tmp_path):
         assert r.num_tokens == 32
     assert store.l1.record_of(spans[0].key) == b"record-0" and store.l1.records() == [(spans[0].key, b"record-0")]
     store.close()
+
+
+def test_store_each_says_which_chunks_the_store_holds_after_the_call():
+    """What an engine that asks per page (SGLang's storage calls) is told: True for a chunk stored
+    now or cached already, False for one there was no room for; ``store_groups`` still counts only
+    the chunks it stored."""
+    per_chunk = 4096
+    store = TieredStore(MemoryTier(2 * per_chunk, eviction_trigger_watermark=1.0, eviction_ratio=0), chunk_size=CHUNK)
+    cache = TokenCache(store)
+    tokens = np.arange(48)
+    spans = cache.spans(NS, tokens)
+    assert cache.store_each([(NS, spans[:1])], fill_for(tokens)) == [True]
+    with cache.retrieve(NS, tokens[:16]):  # chunk 0 leased: room for one more chunk only
+        assert cache.store_each([(NS, spans)], fill_for(tokens)) == [True, True, False]
+    assert cache.store_groups([(NS, spans[:2])], fill_for(tokens)) == 0  # both cached already
