@@ -5,8 +5,9 @@ Clearing the cache and ``POST /api/lookup`` always need ``Authorization: Bearer 
 loopback too, where every local user reaches the port. Without ``--admin-token`` (allowed on a
 loopback HTTP host only) the server makes a random token at start and writes it to
 ``http-<port>.admin-token`` in its user's token folder: ``$XDG_RUNTIME_DIR/kvtier`` (a per-user
-folder systemd makes for a login or a user service), else ``~/.cache/kvtier``. The folder is 0700
-and the file 0600 from its first byte; the file is removed at stop. ``kvtier kvcache clear`` and
+folder systemd makes for a login or a user service), else ``~/.cache/kvtier/admin-tokens`` (a
+folder of its own: ``~/.cache/kvtier`` also holds caches made with the usual modes). The folder
+is 0700 and the file 0600 from its first byte; the file is removed at stop. ``kvtier kvcache clear`` and
 the router read the file of the port they call when its URL is on loopback and they were given no
 token, so the server's user needs no flag; a token file is never read for any other URL, so a
 local token never leaves the host.
@@ -33,7 +34,7 @@ MAX_TOKEN_CHARS = 4096
 def token_folder() -> Path:
     """This user's folder of the tokens its servers made."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(runtime) / "kvtier" if runtime else Path.home() / ".cache" / "kvtier"
+    return Path(runtime) / "kvtier" if runtime else Path.home() / ".cache" / "kvtier" / "admin-tokens"
 
 
 def token_path(http_port: int) -> Path:
