@@ -133,3 +133,20 @@ def test_the_router_asks_a_local_server_with_the_token_it_made(tmp_path):
         assert answers[server.http]["prefix_tokens"] == 48 and policy.counts["kvtier_lookup_failures"] == 0
     finally:
         server.stop()
+
+
+def test_a_server_starts_beside_the_usual_kvtier_cache_folder(tmp_path, monkeypatch):
+    """Without XDG_RUNTIME_DIR the token goes to a folder of its own under ``~/.cache/kvtier``,
+    which the demo and the test harness make with the usual modes (0755): that folder must not
+    stop a server from starting (it did when the token's folder was ``~/.cache/kvtier`` itself)."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / ".cache" / "kvtier").mkdir(mode=0o755, parents=True)
+    os.chmod(tmp_path / "home" / ".cache" / "kvtier", 0o755)
+    server = ServerProcess(tmp_path).start()
+    try:
+        made = token_path(server.http_port)
+        assert made.parent == tmp_path / "home" / ".cache" / "kvtier" / "admin-tokens"
+        assert made.parent.stat().st_mode & 0o777 == 0o700 and made.read_text() == token_for(server.http)
+    finally:
+        server.stop()
