@@ -63,6 +63,7 @@ import torch
 
 from kvtier_testing.peers import lmcache_python
 from kvtier_testing.targets import Target, add_check_flag, finish, report
+from kvtier_testing.vllm_classes import init_single_process
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK = 8, 2, 64, 16
 QUESTION = 16
@@ -188,26 +189,6 @@ def _vllm_config(connector: str, num_blocks: int, extra: dict):
     return config
 
 
-_distributed = False
-
-
-def _init_distributed(config) -> None:
-    """vLLM's process groups of one rank (gloo on loopback): the worker-role connector asks its TP rank."""
-    global _distributed
-    if _distributed:
-        return
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import ensure_model_parallel_initialized, init_distributed_environment
-
-    from kvtier_testing.services import free_port
-
-    with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-                                     local_rank=0, backend="gloo")
-        ensure_model_parallel_initialized(1, 1)
-    _distributed = True
-
-
 class SteppedEngine:
     """vLLM's scheduler with ``connector`` (``kvtier`` or ``none``) and, for kvtier, the worker-role
     connector over vLLM's KV tensors, stepped without a model."""
@@ -237,7 +218,7 @@ class SteppedEngine:
         if self.scheduler.connector is not None:
             for name in SCHEDULER_HOOKS:
                 setattr(self.scheduler.connector, name, self.hooks.wrap(name, getattr(self.scheduler.connector, name)))
-            _init_distributed(self.config)
+            init_single_process(self.config)
             from vllm.config import set_current_vllm_config
 
             with set_current_vllm_config(self.config):

@@ -17,12 +17,12 @@ The version differences met here are in ``kvtier.integrations.vllm.versions``.
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.integrations.vllm.versions import kv_cache_configs, model_runner_output
+from kvtier_testing.services import free_port
 
 BLOCK, CHUNK = 16, 32
 NUM_BLOCKS = 256
@@ -67,12 +67,6 @@ def layer_specs(kind: str, dtype: torch.dtype = torch.float32) -> dict:
     return {name: local if i % 2 == 0 else full for i, name in enumerate(names)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _DISTRIBUTED = False
 
 
@@ -86,7 +80,7 @@ def init_single_process(config) -> None:
 
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", backend="gloo")
+                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
         ensure_model_parallel_initialized(1, 1)
     _DISTRIBUTED = True
 
