@@ -122,21 +122,24 @@ def test_over_repeats_medians_and_worst_hits():
     assert "ttft_ratio_vs_vllm" not in ttft._over_repeats([{"error": "x"}])  # every figure missing: targets missed
 
 
+class Engine:
+    """An engine that answers every prompt at once and notes (its name, each prompt's first item) in ``asked``."""
+
+    def __init__(self, name: str, asked: list) -> None:
+        self.name, self.asked = name, asked
+
+    def generate(self, prompts, **kw):
+        self.asked.append((self.name, [p[0] for p in prompts]))
+        return [{"prompt": p} for p in prompts]
+
+
 def test_misses_follow_the_fills_in_each_turn(monkeypatch):
     monkeypatch.setattr(ttft.time, "sleep", lambda s: None)
     asked = []
 
-    class Engine:
-        def __init__(self, name):
-            self.name = name
-
-        def generate(self, prompts, **kw):
-            asked.append((self.name, [p[0] for p in prompts]))
-            return [{"prompt": p} for p in prompts]
-
     prompts = {"fill": [[f"f{i}"] for i in range(6)], "miss": [[f"m{i}"] for i in range(3)]}
     outs = {phase: {"a": [], "b": []} for phase in prompts}
-    ttft._take_turns({"a": Engine("a"), "b": Engine("b")}, prompts, outs, "fill", "miss")
+    ttft._take_turns({"a": Engine("a", asked), "b": Engine("b", asked)}, prompts, outs, "fill", "miss")
     assert asked == [("a", ["f0", "f1", "f2"]), ("a", ["m0"]), ("b", ["f0", "f1", "f2"]), ("b", ["m0"]),
                      ("b", ["f3", "f4", "f5"]), ("b", ["m1", "m2"]), ("a", ["f3", "f4", "f5"]), ("a", ["m1", "m2"])]
     assert [o["prompt"] for o in outs["miss"]["a"]] == [["m0"], ["m1"], ["m2"]]
@@ -149,17 +152,9 @@ def test_each_pass_2_request_of_kvtiers_engine_is_followed_by_vllms_own_hit(monk
     monkeypatch.setattr(ttft.time, "sleep", lambda s: None)
     asked = []
 
-    class Engine:
-        def __init__(self, name):
-            self.name = name
-
-        def generate(self, prompts, **kw):
-            asked.append((self.name, [p[0] for p in prompts]))
-            return [{"prompt": p} for p in prompts]
-
     prompts = {"pass 2": [[f"p{i}"] for i in range(4)], "own hit": [[f"o{i}"] for i in range(4)]}
     outs = {"pass 2": {"vllm": [], "kvtier": []}, "own hit": {"kvtier": []}}
-    ttft._take_turns({"vllm": Engine("vllm"), "kvtier": Engine("kvtier")}, prompts, outs, "pass 2",
+    ttft._take_turns({"vllm": Engine("vllm", asked), "kvtier": Engine("kvtier", asked)}, prompts, outs, "pass 2",
                      follow=("kvtier", "pass 2", "own hit"))
     assert asked == [("vllm", ["p0", "p1"]), ("kvtier", ["p0"]), ("kvtier", ["o0"]), ("kvtier", ["p1"]), ("kvtier", ["o1"]),
                      ("kvtier", ["p2"]), ("kvtier", ["o2"]), ("kvtier", ["p3"]), ("kvtier", ["o3"]), ("vllm", ["p2", "p3"])]
