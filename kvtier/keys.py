@@ -111,14 +111,14 @@ class PrefixKeys(NamedTuple):
     longest first (the partial chunks stored where an earlier prompt ended)."""
 
     spans: list[ChunkSpan]
-    partials: list[list[ChunkSpan]]
+    partials: Sequence[list[ChunkSpan]]
 
 
 def prefix_keys(
     namespace: Namespace, tokens: Sequence[int] | np.ndarray, chunk_size: int, block_size: int | None = None
 ) -> PrefixKeys:
     """Every chunk's key, each chunk's tokens hashed once; with ``block_size``, the partial
-    chunks too, from the same pass."""
+    chunks too, each chunk's hashed when first asked for (``LazyPartials``)."""
     global _chunk_hashes
     _check_size("chunk_size", chunk_size)
     if block_size is not None:
@@ -127,40 +127,49 @@ def prefix_keys(
             raise ConfigError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
     data = canonical_tokens(tokens)
     raw = memoryview(np.ascontiguousarray(data).view(np.uint8))
-    spans, partials = [], []
+    spans = []
     previous = namespace.root
     for start in range(0, len(data), chunk_size):
         end = min(start + chunk_size, len(data))
-        ends = range(block_size, end - start, block_size) if block_size else ()
-        keys = chain_keys(previous, raw[4 * start : 4 * end], ends)
-        previous = keys[-1]
+        previous = chain_keys(previous, raw[4 * start : 4 * end])[0]
         spans.append(ChunkSpan(previous, start, end))
-        partials.append(_partial_spans(keys, start, ends))
     _chunk_hashes += len(spans)
-    return PrefixKeys(spans, partials)
-
-
-def _partial_spans(keys: list[bytes], start: int, ends: Sequence[int]) -> list[ChunkSpan]:
-    """The partial chunks of ``chain_keys(..., ends)``'s answer for a chunk at ``start``, longest first."""
-    return [ChunkSpan(k, start, start + e) for k, e in zip(keys[-2::-1], reversed(ends))] if ends else []
+    return PrefixKeys(spans, LazyPartials(namespace, data, spans, block_size) if block_size else [[] for _ in spans])
 
 
 class LazyPartials(collections.abc.Sequence):
-    """``PrefixKeys.partials`` of ``spans``, each chunk's computed when first asked for: a lookup
-    needs those of the one chunk its walk stops at, a 32nd of the hashing of them all."""
+    """``PrefixKeys.partials`` of ``spans``, each chunk's computed when first asked for and kept:
+    a lookup needs those of the one chunk its walk stops at (a 16th of the hashing of them all for
+    a 4096-token prompt in chunks of 256), a save those of the chunk it ends in. One more pass over
+    that chunk's tokens, which ``chunk_hashes`` does not count: it counts the passes that key a
+    prompt. It keeps a copy of the tokens (canonical, as ``canonical_tokens`` gives them): the
+    caller's array may change after."""
 
     def __init__(self, namespace: Namespace, tokens: np.ndarray, spans: Sequence[ChunkSpan], block_size: int) -> None:
-        self._raw = memoryview(np.ascontiguousarray(tokens).view(np.uint8))
+        self._raw = memoryview(np.array(tokens, dtype="<u4").view(np.uint8))
         self._root, self._spans, self._block = namespace.root, spans, block_size
+        self._done: dict[int, list[ChunkSpan]] = {}
 
     def __len__(self) -> int:
         return len(self._spans)
 
     def __getitem__(self, i):  # type: ignore[override]
+        i = i + len(self) if i < 0 else i
+        if not 0 <= i < len(self):
+            raise IndexError(f"chunk {i} of {len(self)}")
+        done = self._done.get(i)
+        if done is None:
+            done = self._done[i] = self._partials(i)
+        return done
+
+    def _partials(self, i: int) -> list[ChunkSpan]:
         span = self._spans[i]
-        previous = self._spans[i - 1].key if i else self._root
         ends = range(self._block, span.num_tokens, self._block)
-        return _partial_spans(chain_keys(previous, self._raw[4 * span.start : 4 * span.end], ends), span.start, ends)
+        if not ends:  # a chunk of one block or less has no shorter prefix of whole blocks
+            return []
+        previous = self._spans[i - 1].key if i else self._root
+        keys = chain_keys(previous, self._raw[4 * span.start : 4 * span.end], ends)
+        return [ChunkSpan(k, span.start, span.start + e) for k, e in zip(keys[-2::-1], reversed(ends))]
 
 
 def chunk_spans(

@@ -114,11 +114,10 @@ class TieredStore:
         self.lineage.note_chain(spans)
         tiers = self._locate([s.key for s in spans])
         candidates = partials[len(tiers)] if len(tiers) < len(partials) else ()
-        for index, span in enumerate(candidates):
-            where = self._locate([span.key])
-            if where:
-                return Located(tiers, index, where[0])
-        return Located(tiers)
+        # every candidate in one ask of each tier (the longest held wins, wherever it is held)
+        where = self._where([span.key for span in candidates]) if candidates else []
+        index = next((i for i, name in enumerate(where) if name is not None), -1)
+        return Located(tiers, index, where[index]) if index >= 0 else Located(tiers)
 
     def locate_groups(self, chains: Sequence[tuple[Sequence[ChunkSpan], Sequence[Sequence[ChunkSpan]]]],
                       pin: bool = False) -> list[Located]:
@@ -126,17 +125,22 @@ class TieredStore:
 
     def _locate(self, keys: Sequence[bytes]) -> list[str]:
         """For the longest contiguous cached prefix of ``keys``: the highest tier holding each."""
+        where = self._where(keys)
+        count = next((i for i, name in enumerate(where) if name is None), len(where))
+        return where[:count]  # type: ignore[return-value]
+
+    def _where(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The highest tier holding each of ``keys`` (None: no tier does), each tier asked once
+        for the keys the tiers above it miss."""
         where: list[str | None] = [self.l1.name if hit else None for hit in self.l1.contains(keys)]
         for tier in self.lower:
-            first_miss = next((i for i, name in enumerate(where) if name is None), len(where))
-            missing = [i for i in range(first_miss, len(where)) if where[i] is None]
+            missing = [i for i, name in enumerate(where) if name is None]
             if not missing:
                 break
             for i, hit in zip(missing, self._contains(tier, [keys[i] for i in missing])):
                 if hit:
                     where[i] = tier.name
-        count = next((i for i, name in enumerate(where) if name is None), len(where))
-        return where[:count]  # type: ignore[return-value]
+        return where
 
     def acquire(self, keys: Sequence[bytes], checksum: bool = False) -> list[Lease]:
         """Whole objects for the longest contiguous cached prefix of ``keys``, promoting

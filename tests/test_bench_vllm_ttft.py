@@ -92,18 +92,21 @@ def _user_outs(ms: dict[str, dict[str, float]], hits: dict[str, int], n: int = 3
 
 def test_user_figures_ratios_and_hits(capsys):
     ms = {"fill": {"vllm": 100, "kvtier": 104, "lmcache": 120}, "pass 2": {"vllm": 100, "kvtier": 10, "lmcache": 40},
-          "miss": {"vllm": 100, "kvtier": 102, "lmcache": 110}, "restart": {"vllm": 200, "kvtier": 20, "lmcache": 50}}
+          "miss": {"vllm": 100, "kvtier": 102, "lmcache": 110}, "restart": {"vllm": 200, "kvtier": 20, "lmcache": 50},
+          "own hit": {"kvtier": 8}}
     run = ttft._user_figures("llama", 2100, 3, _user_outs(ms, {"kvtier": 2048, "lmcache": 1024}), 10, 30, 0.5, 0.0)
     assert run["held_tokens"] == 2048  # whole chunks of 256 tokens
     assert run["hit_fraction"] == {"kvtier": 1.0, "lmcache": 0.5}
     assert run["ratio"] == pytest.approx({"pass 2": 10, "restart": 10, "miss": 1.02, "fill": 1.04})
     assert run["vs_lmcache"] == pytest.approx({"pass 2": 4, "restart": 2.5})
+    assert run["vs_own_hit"] == pytest.approx({"own hit": 1.25})  # kvtier's pass 2 over its engine's own hit
     assert "kvtier pass-2 hit tokens: [2048, 2048, 2048] of 2048 held (100%)" in capsys.readouterr().out
 
 
 def test_over_repeats_medians_and_worst_hits():
     def run(p2: float, hit: float, lmcache: float | None = None) -> dict:
         return {"length": 2048, "contexts": 6, "ratio": {"pass 2": p2, "restart": 2 * p2, "miss": 1.01, "fill": 1.02},
+                "vs_own_hit": {"own hit": 20 / p2},
                 "hit_fraction": {"kvtier": hit, **({"lmcache": 1.0} if lmcache else {})},
                 **({"vs_lmcache": {"pass 2": lmcache, "restart": lmcache}, "lmcache_vs_vllm": {"pass 2": 3, "restart": 3}}
                    if lmcache else {})}
@@ -111,6 +114,7 @@ def test_over_repeats_medians_and_worst_hits():
     f = ttft._over_repeats([run(14, 1.0), run(0.84, 0.23), run(12, 1.0)])
     assert f["min_repeat_hit_fraction"] == 0.23  # the worst repeat, not the median
     assert f["ttft_ratio_vs_vllm"] == 12 and f["spread"]["pass 2"] == [0.84, 14]
+    assert f["warm_vs_own_hit"] == pytest.approx(20 / 12) and f["spread"]["warm_vs_own_hit"] == [round(20 / 14, 3), round(20 / 0.84, 3)]
     assert "vs_lmcache" not in f
     f = ttft._over_repeats([run(14, 1.0, 3), run(12, 1.0, 2), {"error": "vLLM exited"}])
     assert f["min_repeat_hit_fraction"] == 0.0 and f["errors"] == ["vLLM exited"]  # a failed repeat has no hits
@@ -118,21 +122,41 @@ def test_over_repeats_medians_and_worst_hits():
     assert "ttft_ratio_vs_vllm" not in ttft._over_repeats([{"error": "x"}])  # every figure missing: targets missed
 
 
+class Engine:
+    """An engine that answers every prompt at once and notes (its name, each prompt's first item) in ``asked``."""
+
+    def __init__(self, name: str, asked: list) -> None:
+        self.name, self.asked = name, asked
+
+    def generate(self, prompts, **kw):
+        self.asked.append((self.name, [p[0] for p in prompts]))
+        return [{"prompt": p} for p in prompts]
+
+
 def test_misses_follow_the_fills_in_each_turn(monkeypatch):
     monkeypatch.setattr(ttft.time, "sleep", lambda s: None)
     asked = []
 
-    class Engine:
-        def __init__(self, name):
-            self.name = name
-
-        def generate(self, prompts, **kw):
-            asked.append((self.name, [p[0] for p in prompts]))
-            return [{"prompt": p} for p in prompts]
-
     prompts = {"fill": [[f"f{i}"] for i in range(6)], "miss": [[f"m{i}"] for i in range(3)]}
     outs = {phase: {"a": [], "b": []} for phase in prompts}
-    ttft._take_turns({"a": Engine("a"), "b": Engine("b")}, prompts, outs, "fill", "miss")
+    ttft._take_turns({"a": Engine("a", asked), "b": Engine("b", asked)}, prompts, outs, "fill", "miss")
     assert asked == [("a", ["f0", "f1", "f2"]), ("a", ["m0"]), ("b", ["f0", "f1", "f2"]), ("b", ["m0"]),
                      ("b", ["f3", "f4", "f5"]), ("b", ["m1", "m2"]), ("a", ["f3", "f4", "f5"]), ("a", ["m1", "m2"])]
     assert [o["prompt"] for o in outs["miss"]["a"]] == [["m0"], ["m1"], ["m2"]]
+
+
+def test_each_pass_2_request_of_kvtiers_engine_is_followed_by_vllms_own_hit(monkeypatch):
+    """``warm_vs_own_hit`` in ``--families``: right after each pass-2 request of kvtier's engine,
+    the same context with another question (vLLM's own prefix cache holds it then, however small
+    the cache); the other engines ask pass 2 as before, in their turns."""
+    monkeypatch.setattr(ttft.time, "sleep", lambda s: None)
+    asked = []
+
+    prompts = {"pass 2": [[f"p{i}"] for i in range(4)], "own hit": [[f"o{i}"] for i in range(4)]}
+    outs = {"pass 2": {"vllm": [], "kvtier": []}, "own hit": {"kvtier": []}}
+    ttft._take_turns({"vllm": Engine("vllm", asked), "kvtier": Engine("kvtier", asked)}, prompts, outs, "pass 2",
+                     follow=("kvtier", "pass 2", "own hit"))
+    assert asked == [("vllm", ["p0", "p1"]), ("kvtier", ["p0"]), ("kvtier", ["o0"]), ("kvtier", ["p1"]), ("kvtier", ["o1"]),
+                     ("kvtier", ["p2"]), ("kvtier", ["o2"]), ("kvtier", ["p3"]), ("kvtier", ["o3"]), ("vllm", ["p2", "p3"])]
+    assert [o["prompt"] for o in outs["own hit"]["kvtier"]] == [["o0"], ["o1"], ["o2"], ["o3"]]
+    assert [o["prompt"] for o in outs["pass 2"]["kvtier"]] == [["p0"], ["p1"], ["p2"], ["p3"]]

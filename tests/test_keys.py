@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.keys import LazyPartials, Namespace, canonical_tokens, chunk_hashes, chunk_spans, prefix_keys
+from kvtier.keys import Namespace, canonical_tokens, chunk_hashes, chunk_spans, prefix_keys
 from kvtier.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_size=64, dtype="float32", block_size=16)
@@ -123,11 +123,25 @@ def test_block_size_must_divide_the_chunk_size():
         prefix_keys(NS, TOKENS, 256, block_size=96)
 
 
-def test_lazy_partials_are_the_eager_ones():
-    toks = list(range(1000, 1700))  # two full chunks of 256 and a tail of 188
-    eager = prefix_keys(NS, toks, 256, 16)
-    lazy = LazyPartials(NS, canonical_tokens(toks), eager.spans, 16)
-    assert len(lazy) == 3 and [lazy[i] for i in range(3)] == eager.partials
+def test_a_chunks_partial_keys_are_hashed_when_first_asked_for_and_once(monkeypatch):
+    """A lookup needs the partial chunks of the one chunk its walk stops at: the others' are never
+    hashed, and those asked for again (the lookup, then the save plan) are not hashed again."""
+    import kvtier.keys as keys_module
+
+    passes = []  # the chunks whose partial chunks were hashed, by where they start
+    chain = keys_module.chain_keys
+    monkeypatch.setattr(keys_module, "chain_keys",
+                        lambda previous, chunk, ends=(): passes.append(len(ends)) or chain(previous, chunk, ends))
+    toks = list(range(1000, 1000 + 4096 + 100))  # 16 chunks of 256 and a tail of 100
+    keys = prefix_keys(NS, toks, 256, 16)
+    assert passes == [0] * 17  # the chunks' own keys: no partial chunk hashed yet
+    third = keys.partials[3]
+    assert keys.partials[3] is third and keys.partials[-14] is third and passes == [0] * 17 + [15]
+    assert [(p.start, p.end) for p in third] == [(768, 768 + e) for e in range(240, 0, -16)]
+    assert all(p.key == chunk_spans(NS, toks[: p.end], 256)[-1].key for p in third)
+    assert [(p.start, p.end) for p in keys.partials[16]] == [(4096, 4096 + e) for e in (96, 80, 64, 48, 32, 16)]
+    with pytest.raises(IndexError):
+        keys.partials[17]
 
 
 def _key_vectors() -> list[dict]:

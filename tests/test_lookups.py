@@ -98,3 +98,37 @@ def test_a_lookup_of_a_model_with_several_groups_is_one_call_per_rank():
     found = lookup.find(state, CHUNK)
     assert store.calls == 2, "one call per TP rank"
     assert found.hit == CHUNK and [[len(spans) for spans in rank] for rank in found.spans] == [[1, 1, 1], [1, 1, 1]]
+
+
+def test_a_lookup_hashes_the_partial_chunks_of_the_chunk_its_walk_stops_at_only(monkeypatch):
+    """Over a real embedded store holding the prompt's first three chunks: the walk stops at the
+    fourth, whose partial chunks are the only ones hashed (each a pass of the chunk's tokens at a
+    microsecond a block boundary: all of a 4096-token prompt's were about a third of its lookup), also
+    when a save in flight makes the planner ask whether it covers the next chunk."""
+    import kvtier.keys as keys_module
+    from kvtier.paged.planner import SavesInFlight
+    from kvtier.store import TieredStore
+    from kvtier.tiers.memory import MemoryTier
+
+    hashed = []  # chunks whose partial chunks were hashed, by where they start
+    chain = keys_module.chain_keys
+    monkeypatch.setattr(keys_module, "chain_keys",
+                        lambda previous, chunk, ends=(): (ends and hashed.append(ends)) or chain(previous, chunk, ends))
+    engine = _engine(1)
+    cache = TokenCache(TieredStore(MemoryTier(64 << 20), chunk_size=CHUNK))
+    lookup = PromptLookup(engine, cache)
+    state = _state(16 * CHUNK + BLOCK)
+    keys = lookup.keys(state, CHUNK)[0][0]
+    namespace = lookup.namespaces.get(0, state.scope)[0]
+
+    def zeros(span, dest: memoryview) -> None:
+        dest[:] = bytes(len(dest))
+
+    assert cache.store_spans(namespace, keys.spans[:3], zeros) == 3
+    found = lookup.find(state, CHUNK)
+    assert found.hit == 3 * CHUNK
+    saves = SavesInFlight(hold_s=60, tp_size=1)
+    saves.start(1, [keys.partials[3][0].key])
+    assert saves.covers(keys, found.hit, CHUNK)
+    assert hashed == [range(BLOCK, CHUNK, BLOCK)], "the fourth chunk's partials only, once"
+    lookup.unpin(found.pins)

@@ -18,7 +18,7 @@ from kvtier.paged.groups import (
     RecurrentState,
     SlidingWindow,
     prefix_save_spans,
-    spans_by_end,
+    span_ending_at,
 )
 
 BLOCK, CHUNK = 16, 64
@@ -103,7 +103,22 @@ def test_saves_store_new_chunks_or_the_state_where_a_step_ended_on_a_block_bound
     assert _spans(SlidingWindow().save_spans(WINDOW, keys, 0, 128, 128)) == [(0, 64), (64, 128)]
     assert _spans(RecurrentState().save_spans(STATE, keys, 0, 64, 96)) == [(64, 96)]
     assert RecurrentState().save_spans(STATE, keys, 0, 150, 150) == []  # no state is kept off a block boundary
-    assert spans_by_end(keys)[96].end == 96 and spans_by_end(keys)[128] == keys.spans[1]
+    assert span_ending_at(keys, 96).end == 96 and span_ending_at(keys, 128) == keys.spans[1]
+    assert span_ending_at(keys, 100) is None and span_ending_at(keys, 150) == keys.spans[-1]
+
+
+def test_a_state_save_hashes_the_partial_chunks_of_the_chunk_its_step_ends_in_only(monkeypatch):
+    """A hybrid model saves its recurrent state at each step that ends on a block boundary: the
+    object ending there is found without hashing every chunk's partial chunks."""
+    import kvtier.keys as keys_module
+
+    hashed = []  # the partial chunks' ends of each chunk hashed
+    chain = keys_module.chain_keys
+    monkeypatch.setattr(keys_module, "chain_keys",
+                        lambda previous, chunk, ends=(): (ends and hashed.append(ends)) or chain(previous, chunk, ends))
+    keys = _keys(STATE, 8 * CHUNK)
+    assert _spans(RecurrentState().save_spans(STATE, keys, 0, 5 * CHUNK, 5 * CHUNK + 2 * BLOCK)) == [(320, 352)]
+    assert hashed == [range(BLOCK, CHUNK, BLOCK)]
 
 
 @pytest.mark.parametrize("length, expected", [

@@ -337,3 +337,30 @@ def test_store_each_says_which_chunks_the_store_holds_after_the_call():
     with cache.retrieve(NS, tokens[:16]):  # chunk 0 leased: room for one more chunk only
         assert cache.store_each([(NS, spans)], fill_for(tokens)) == [True, True, False]
     assert cache.store_groups([(NS, spans[:2])], fill_for(tokens)) == 0  # both cached already
+
+
+def test_a_lookups_partial_chunks_cost_one_ask_of_each_tier(tmp_path):
+    """Where the walk stops, its chunk's partial chunks (longest first) are asked of each tier at
+    once, not one call each: the longest held wins, even when a shorter one is in a higher tier."""
+    from kvtier.keys import prefix_keys
+
+    disk = DiskTier(tmp_path / "l2", max_capacity_bytes=1 << 20)
+    store = make_store(lower=[disk])
+    cache = TokenCache(store)
+    tokens = np.arange(32)
+    keys = prefix_keys(NS, tokens, CHUNK, block_size=4)
+    assert [p.end for p in keys.partials[0]] == [12, 8, 4]
+    cache.store(NS, tokens[:8], fill_for(tokens))
+    store.flush()
+    store.l1.delete([keys.partials[0][1].key])  # 8 tokens: on disk only
+    cache.store(NS, tokens[:4], fill_for(tokens))  # 4 tokens: in memory
+    asked = {"memory": 0, "disk": 0}
+    for tier in (store.l1, disk):
+        def counted(keys, contains=tier.contains, name=tier.name):
+            asked[name] += 1
+            return contains(keys)
+        tier.contains = counted
+    found = cache.lookup_spans(keys.spans, keys.partials)
+    assert (found.hit_tokens, found.tiers) == (8, ["disk"])
+    assert asked == {"memory": 2, "disk": 2}, "the chain, then every partial chunk at once"
+    store.close()

@@ -16,7 +16,7 @@ from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.common import group_layout
 from kvtier.keys import Namespace, prefix_keys
 from kvtier.layout import KVLayout
-from kvtier.paged.groups import spans_by_end
+from kvtier.paged.groups import span_ending_at
 from kvtier.paged.hits import best_end
 from kvtier.paged.layout import GroupLayout
 from kvtier.paged.pages import PagedKV
@@ -145,7 +145,7 @@ def test_a_hybrid_model_hits_where_a_state_was_kept_and_never_at_the_prompt_end(
     full, mamba = _group(FullAttentionSpec(**ATTN)), _group(_mamba_spec(), 1)
     groups = [full, mamba]
     keys = [_keys(g, 192) for g in groups]
-    kept = {spans_by_end(keys[1])[e].key for e in (48, 128, 192)}  # states kept where steps ended
+    kept = {span_ending_at(keys[1], e).key for e in (48, 128, 192)}  # states kept where steps ended
     asked = []
 
     def find_state(g, candidates):

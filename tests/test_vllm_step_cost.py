@@ -6,6 +6,7 @@ reads no stats; and every figure a step does move still reaches vLLM's stats.
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -162,3 +163,34 @@ def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypat
     assert records[(16, 32)].parent_block_hash == maybe_convert_block_hash(hashes[3])
     assert records[(0, 16)].parent_block_hash is None and records[(0, 16)].token_ids == tokens[:16]
     assert all(isinstance(h, int) == as_ints for r in records.values() for h in r.block_hashes)
+
+
+@pytest.mark.parametrize("kind", ["plain", "salted", "lora", "multimodal"])
+def test_block_records_ask_vllm_for_a_text_requests_extra_keys_once(monkeypatch, kind):
+    """vLLM's extra keys of a text-only request's blocks are the request's own (its LoRA; the salt
+    is left out): asked once a save plan, not once a block, and the same as asked block by block.
+    A multimodal request's differ from block to block: asked for each."""
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    import kvtier.integrations.vllm.block_records as module
+    from kvtier.events import decode_record
+    from kvtier.keys import ChunkSpan
+
+    asked = []
+    monkeypatch.setattr(module, "generate_block_hash_extra_keys",
+                        lambda *args: asked.append(args[1]) or generate_block_hash_extra_keys(*args))
+    image = SimpleNamespace(identifier="img", mm_position=SimpleNamespace(offset=20, length=8))
+    request = SimpleNamespace(block_hashes=[bytes([i]) * 32 for i in range(1, 9)], prompt_embeds=None,
+                              mm_features=[image] if kind == "multimodal" else [],
+                              lora_request=LoRARequest("adapter", 3, "/adapters/a") if kind == "lora" else None,
+                              cache_salt="tenant-a" if kind == "salted" else None)
+    spans = [ChunkSpan(b"k1", 0, 16), ChunkSpan(b"k2", 16, 32)]
+    records = {span: decode_record(data) for span, data in
+               module.block_records(request, _tokens(3, 32), spans, 4, "m", 0).items()}
+    assert len(asked) == (8 if kind == "multimodal" else 1)
+    for (start, end), record in records.items():
+        one_by_one = [module._without_salt(generate_block_hash_extra_keys(request, b * 4, b * 4 + 4, 0)[0])
+                      for b in range(start // 4, end // 4)]
+        assert record.extra_keys == json.loads(json.dumps(to_event_extra_keys(one_by_one)))  # msgpack: lists
+    assert (records[(16, 32)].extra_keys[1] is not None) == (kind in ("lora", "multimodal"))

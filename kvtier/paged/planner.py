@@ -280,9 +280,12 @@ class SavesInFlight:
         if not self._keys:
             return False
         self._expire()
+        # the chunks that reach past the hit, and the partials of those that start before its
+        # next chunk ends (a partial ends inside its chunk): no other chunk's partials are hashed
+        reaching = [i for i, span in enumerate(keys.spans) if span.end > hit and span.start < hit + chunk]
         return any(
             span.key in self._keys
-            for span in itertools.chain(keys.spans, *keys.partials)
+            for span in itertools.chain(keys.spans, *(keys.partials[i] for i in reaching))
             if hit < span.end <= hit + chunk
         )
 

@@ -40,7 +40,7 @@ import msgspec
 
 from kvtier.config import TokenizerSource
 from kvtier.errors import ConfigError
-from kvtier.keys import LazyPartials, Namespace, canonical_tokens, prefix_keys
+from kvtier.keys import Namespace, canonical_tokens, prefix_keys
 from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -167,8 +167,7 @@ class LookupApi:
             data = canonical_tokens(tokens)
         except ValueError as exc:  # token ids out of range
             raise BadLookup(400, f"tokens: {exc}") from None
-        spans = prefix_keys(namespace, data, chunk).spans
-        partials = LazyPartials(namespace, data, spans, block)
+        spans, partials = prefix_keys(namespace, data, chunk, block)  # partials: only the chunk's where the walk stops
         located = self.store.locate(spans, partials)
         tiers: dict[str, int] = {}
         for tier, span in zip(located.tiers, spans):
