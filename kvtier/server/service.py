@@ -28,6 +28,7 @@ from kvtier.keys import ChunkSpan
 from kvtier.keystore import Lease, Reservation
 from kvtier.server.sessions import Sessions
 from kvtier.store import TieredStore
+from kvtier.tiers.arena import align_up
 from kvtier.wire import protocol as p
 from kvtier.wire.shm import ARENA_OFFSET, SharedArena
 
@@ -194,7 +195,7 @@ class CacheService:
         """Forget a handle (the caller holds the lock); a slot reserved ahead gives back its room."""
         held = self._held.pop(ident, None)
         if held is not None and held.ahead:
-            self._ahead_bytes -= len(held.reservation.view)
+            self._ahead_bytes -= align_up(len(held.reservation.view))
         return held
 
     def expire(self) -> None:
@@ -348,19 +349,20 @@ class CacheService:
 
     def _reserve_ahead(self, sizes: list[int], session: bytes) -> tuple[list[int], list[int]]:
         """Unnamed slots of these sizes for ``session``, as many as there is room for within
-        ``AHEAD_SHARE_OF_L1``: (ids, arena offsets). Each
+        ``AHEAD_SHARE_OF_L1`` (counting the aligned block each takes in L1): (ids, arena offsets). Each
         is reserved under a random placeholder key, which no reader asks for (and an uncommitted
         slot is invisible anyway) until the commit that names its object binds the real key."""
         idents, offsets = [], []
         for size in sizes:
+            taken = align_up(size)
             with self._lock:
-                if self._ahead_bytes + size > self._ahead_limit:
+                if self._ahead_bytes + taken > self._ahead_limit:
                     break  # AHEAD_SHARE_OF_L1: the client's next store reserves by key instead
-                self._ahead_bytes += size
+                self._ahead_bytes += taken
             [reservation] = self.store.reserve([(secrets.token_bytes(32), size)]) or [None]
             if reservation is None:
                 with self._lock:
-                    self._ahead_bytes -= size
+                    self._ahead_bytes -= taken
                 break
             idents.append(self._hold(_Held(self._deadline(), session, reservation=reservation, ahead=True)))
             offsets.append(reservation.offset)
@@ -396,7 +398,7 @@ class CacheService:
             if held.ahead:  # the slot takes its object's key and size now
                 record = request.records[i] if request.records else b""
                 bound = self.store.bind(reservation, key, header.object_size, record, request.tenant)
-                if bound is None:  # stored (or being stored) by another writer meanwhile, too big, over its tenant's max
+                if bound is None:  # stored by another writer meanwhile, too big, over its tenant's max
                     self.store.abort([reservation])
                     committed.append(header.object_size <= len(reservation.view) and self.store.l1.contains([key])[0])  # in L1 now
                     continue

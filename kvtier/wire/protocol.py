@@ -20,6 +20,9 @@ writes whole sealed objects into them, ``Commit`` makes them visible (or ``Abort
 Slots may be reserved *ahead* (``ahead`` sizes in ``Reserve`` and ``Commit``): unnamed until the
 ``Commit`` that names the key of the object written into each, so a client that keeps a pool of
 them stores with one round trip (fill, then ``Commit``, which refills the pool).
+A key that another session is writing gets a slot all the same (by key or ahead): the first
+commit stores it and a later one answers ``committed`` (the key is stored), so a writer that
+aborts never leaves unstored a key whose bytes another client had.
 Reads through shared memory are leases: ``Retrieve`` leases objects and says where they are,
 ``Release`` gives them back. Any request may carry the handles its client is done with (``done``:
 leases to release, slots reserved ahead it will not fill), handled before the request itself, so

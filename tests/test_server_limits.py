@@ -1,0 +1,99 @@
+"""What one client cannot do to the server or to the other clients: make it hold memory before
+its session, fill L1 with slots reserved ahead, push out others' sessions, or lose a key
+another client had the bytes of."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+
+from kvtier.cache import TokenCache
+from kvtier.client import KvtierClient
+from kvtier.config import ServerConfig, convert
+from kvtier.objects import build_object
+from kvtier.server.main import KvtierServer
+from kvtier.server.service import AHEAD_SHARE_OF_L1
+from kvtier.tiers.arena import ALIGNMENT
+from kvtier.wire import protocol as p
+from kvtier.wire.shm import ARENA_OFFSET
+from kvtier_testing.kvtier_processes import free_port
+from kvtier_testing.workload import NS, fill_for, kv_of, tokens
+
+pytestmark = pytest.mark.servers  # starts real kvtier servers
+
+
+@contextmanager
+def serving(**overrides):
+    config = {"store": {"l1": {"size_gb": 0.02}, "chunk_size": 16}, "port": free_port(), "http_port": free_port()}
+    server = KvtierServer(convert({**config, **overrides}, ServerConfig))
+    server.start()
+    try:
+        yield server, f"tcp://127.0.0.1:{server.config.port}"
+    finally:
+        assert server.stop(), "a server thread was still running at the stop deadline"
+
+
+def test_slots_reserved_ahead_count_the_block_each_takes_so_cached_hits_stay():
+    """One ``Reserve`` of 65,536 one-byte slots ahead: each takes an aligned block of L1, so the
+    cap (AHEAD_SHARE_OF_L1) stops them at that share of L1, and what was cached stays a hit."""
+    with serving() as (server, url):
+        client = KvtierClient(url, timeout_s=5, reserve_ahead_bytes=0)
+        cache = TokenCache(client)
+        toks = tokens(300_000, 16 * 200)
+        assert cache.store(NS, toks, fill_for(toks)) == 200
+        reply, _ = client._call(p.Reserve(arena=client._arena_id, ahead=[1] * p.MAX_KEYS))
+        limit = server.store.l1.capacity * AHEAD_SHARE_OF_L1
+        assert 0 < len(reply.ahead_slots) <= limit // ALIGNMENT
+        assert server.service.status()["reserved_ahead_bytes"] <= limit
+        assert cache.lookup(NS, toks).hit_tokens == 16 * 200
+        client._call(p.Release(done=reply.ahead_slots))
+        assert server.service.status()["reserved_ahead_bytes"] == 0
+        client.close()
+
+
+def _write(client: KvtierClient, offset: int, obj: bytes) -> None:
+    start = ARENA_OFFSET + offset
+    client._arena.memory[start : start + len(obj)] = obj
+
+
+@pytest.mark.parametrize("by_key", [True, False], ids=["reserved-by-key", "reserved-ahead"])
+@pytest.mark.parametrize("first", ["aborts", "aborts-after", "commits-after", "commits-before"])
+def test_a_reserve_race_stores_the_key_whoever_aborts(by_key, first):
+    """Session A holds a slot of key K; session B reserves K too (by key, or fills a slot it
+    reserved ahead) and gets a slot of its own. Whatever A does (abort before B's commit or
+    after it, commit after B or before), K ends stored once, with B's answer ``committed`` true, and no slot left over."""
+    with serving() as (server, url):
+        a, b = KvtierClient(url, timeout_s=5), KvtierClient(url, timeout_s=5)
+        assert a.ping() and b.ping()  # each has its session and maps the arena
+        cache = TokenCache(a)
+        toks = tokens(400_000, 16)
+        [span] = cache.spans(NS, toks)
+        obj = bytes(build_object(span.key, NS.layout, 16, kv_of(toks).tobytes()))
+        size = len(obj)
+        held, _ = a._call(p.Reserve(keys=[span.key], sizes=[size], arena=a._arena_id))
+        assert held.states == ["slot"]
+        _write(a, held.offsets[0], obj)
+        if by_key:
+            mine, _ = b._call(p.Reserve(keys=[span.key], sizes=[size], arena=b._arena_id))
+            assert mine.states == ["slot"], "a key another writer is filling gets a slot of its own"
+            slot, offset, keys = mine.slots[0], mine.offsets[0], []
+        else:
+            mine, _ = b._call(p.Reserve(arena=b._arena_id, ahead=[size]))
+            slot, offset, keys = mine.ahead_slots[0], mine.ahead_offsets[0], [span.key]
+        _write(b, offset, obj)
+        if first == "commits-before":
+            assert a._call(p.Commit(arena=a._arena_id, slots=held.slots))[0].committed == [True]
+        elif first == "aborts":
+            a._call(p.Abort(slots=held.slots))
+        assert b._call(p.Commit(arena=b._arena_id, slots=[slot], keys=keys))[0].committed == [True]
+        if first == "commits-after":
+            assert a._call(p.Commit(arena=a._arena_id, slots=held.slots))[0].committed == [True]
+        elif first == "aborts-after":
+            a._call(p.Abort(slots=held.slots))
+        assert cache.lookup(NS, toks).hit_tokens == 16
+        assert server.store.l1.usage().objects == 1
+        assert server.store.l1.usage().used_bytes == -(-size // ALIGNMENT) * ALIGNMENT
+        assert server.service.status()["leases_and_reservations"] == 0
+        a.close()
+        b.close()
