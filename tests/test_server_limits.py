@@ -7,6 +7,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
+import zmq
 
 from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
@@ -16,7 +17,8 @@ from kvtier.server.main import KvtierServer
 from kvtier.server.service import AHEAD_SHARE_OF_L1
 from kvtier.tiers.arena import ALIGNMENT
 from kvtier.wire import protocol as p
-from kvtier.wire.shm import ARENA_OFFSET
+from kvtier.wire.shm import ARENA_OFFSET, read_token
+from kvtier_testing.data_port_junk import dealer
 from kvtier_testing.kvtier_processes import free_port
 from kvtier_testing.workload import NS, fill_for, kv_of, tokens
 
@@ -97,3 +99,40 @@ def test_a_reserve_race_stores_the_key_whoever_aborts(by_key, first):
         assert server.service.status()["leases_and_reservations"] == 0
         a.close()
         b.close()
+
+
+def test_a_flood_of_hellos_never_pushes_out_another_clients_session():
+    """4096 hellos in a second from one admitted client cost the sessions of its own connection
+    only: the victim's next request still names a session the server knows. Over many
+    connections, past the server's most sessions, a hello is refused (``busy``) rather than
+    taking a session another client is using."""
+    with serving() as (server, url):
+        victim = KvtierClient(url, timeout_s=5)
+        assert victim.ping()
+        context = zmq.Context()
+        try:
+            flooder = dealer(context, server.config.port)
+            token = read_token(server.arena.token.path)
+            for _ in range(4096):
+                flooder.send_multipart([b"", p.encode(p.Hello(token=token))])
+            for _ in range(4096):
+                assert flooder.poll(5000)
+                assert isinstance(p.decode_reply(flooder.recv_multipart()[-1]), p.HelloReply)
+            assert isinstance(victim._call(p.Status(), session=victim._session)[0], p.StatusReply)
+            per_peer = server.service.sessions.per_peer
+            assert len(server.service.sessions) == 1 + per_peer
+
+            server.service.sessions.limit = 16  # many connections, each with its most sessions
+            crowd = [dealer(context, server.config.port) for _ in range(8)]
+            answers = []
+            for sock in crowd:
+                for _ in range(per_peer):
+                    sock.send_multipart([b"", p.encode(p.Hello(token=token))])
+                    assert sock.poll(5000)
+                    answers.append(p.decode_reply(sock.recv_multipart()[-1]))
+            assert sum(isinstance(a, p.HelloReply) for a in answers) == 16 - 1 - per_peer
+            assert {a.code for a in answers if isinstance(a, p.Error)} == {"busy"}
+            assert isinstance(victim._call(p.Status(), session=victim._session)[0], p.StatusReply)
+        finally:
+            context.destroy(linger=0)
+        victim.close()

@@ -231,7 +231,7 @@ class KvtierServer:
         if not self.service.answers_from_memory(p.peek_op(parts[delimiter + 1].buffer)):
             backend.send_multipart(parts, copy=False)
             return
-        reply, after_send = self.service.handle([part.buffer for part in parts[delimiter + 1 :]])
+        reply, after_send = self.service.handle([part.buffer for part in parts[delimiter + 1 :]], parts[0].bytes)
         message = [*(part.bytes for part in parts[: delimiter + 1]), *reply]
         if after_send is None:
             frontend.send_multipart(message, copy=False)

@@ -102,7 +102,7 @@ class CacheService:
         self._per_op: dict[str, tuple] = {}  # each op's request counter and latency histogram
         self._memory_only = all(tier.medium.value == "memory" for tier in store.tiers)
         self._quick_lookups = all(tier.medium.quick_contains for tier in store.tiers)
-        self._handlers: dict[type, Callable[[p.Request, list], Response]] = {
+        self._handlers: dict[type, Callable[[p.Request, list, bytes], Response]] = {
             p.Hello: self._hello,
             p.Ping: self._ping,
             p.Lookup: self._lookup,
@@ -126,8 +126,9 @@ class CacheService:
         return (op in _MEMORY_OPS or (op in _LOOKUPS and self._quick_lookups)
                 or (op == _RETRIEVE and self._memory_only))
 
-    def handle(self, frames: list) -> Response:
-        """Never raises: every failure becomes an ``Error`` reply and the server goes on."""
+    def handle(self, frames: list, peer: bytes = b"") -> Response:
+        """Never raises: every failure becomes an ``Error`` reply and the server goes on.
+        ``peer``: the ZeroMQ routing id of the connection it came on (for a hello: sessions.py)."""
         start = time.perf_counter()
         try:
             request = p.decode_request(frames[0])
@@ -149,7 +150,7 @@ class CacheService:
         try:
             if request.done and admitted:
                 self._give_back(request.done, request.session)
-            response = self._handlers[type(request)](request, frames[1:])
+            response = self._handlers[type(request)](request, frames[1:], peer)
         except BadRequest as exc:
             return self._error("bad-request", str(exc))
         except Exception:
@@ -233,15 +234,18 @@ class CacheService:
 
     # -- handlers ----------------------------------------------------------------------------
 
-    def _hello(self, request: p.Hello, frames: list) -> Response:
+    def _hello(self, request: p.Hello, frames: list, peer: bytes) -> Response:
         if self.sessions.seen(request.session):
             session = request.session
-        elif request.token:
-            if not hmac.compare_digest(request.token, self.arena.token.token):
+        elif request.token or self.admits_every_peer:
+            if request.token and not hmac.compare_digest(request.token, self.arena.token.token):
                 return self._error("unauthorized", "hello: not the token of this server's token file")
-            session = self.sessions.open()
+            session = self.sessions.open(peer)
+            if session is None:
+                return self._error("busy", f"this server holds its most sessions ({self.sessions.limit}); "
+                                   "try again once others go idle")
         else:
-            session = self.sessions.open() if self.admits_every_peer else b""
+            session = b""
         shared = self.arena.path is not None
         return self._reply(
             p.HelloReply(
@@ -257,13 +261,13 @@ class CacheService:
             )
         )
 
-    def _ping(self, request: p.Ping, frames: list) -> Response:
+    def _ping(self, request: p.Ping, frames: list, peer: bytes) -> Response:
         return self._reply(p.Pong())
 
-    def _lookup(self, request: p.Lookup, frames: list) -> Response:
+    def _lookup(self, request: p.Lookup, frames: list, peer: bytes) -> Response:
         return self._reply(self._locate(request, request.pin, request.arena, request.session))
 
-    def _lookup_groups(self, request: p.LookupGroups, frames: list) -> Response:
+    def _lookup_groups(self, request: p.LookupGroups, frames: list, peer: bytes) -> Response:
         if any(chain.done or chain.session or chain.pin for chain in request.chains):
             raise BadRequest("lookup_groups: a chain names its own done, session or pin")
         keys = sum(len(chain.keys) + len(chain.partials) for chain in request.chains)
@@ -322,7 +326,7 @@ class CacheService:
     def _stale(self, arena: bytes) -> bool:
         return arena != self.arena.nonce[: p.ARENA_ID_SIZE]
 
-    def _reserve(self, request: p.Reserve, frames: list) -> Response:
+    def _reserve(self, request: p.Reserve, frames: list, peer: bytes) -> Response:
         if self.arena.path is None:
             raise BadRequest("reserve: this server has no shared-memory arena; use put")
         if self._stale(request.arena):
@@ -368,7 +372,7 @@ class CacheService:
             offsets.append(reservation.offset)
         return idents, offsets
 
-    def _commit(self, request: p.Commit, frames: list) -> Response:
+    def _commit(self, request: p.Commit, frames: list, peer: bytes) -> Response:
         if request.keys and len(request.keys) != len(request.slots):
             raise BadRequest("commit: slots and keys differ in length")
         _check_records("commit", request.records, len(request.keys))
@@ -409,14 +413,14 @@ class CacheService:
         ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead, request.session)
         return self._reply(p.CommitReply(committed=committed, ahead_slots=ahead_slots, ahead_offsets=ahead_offsets))
 
-    def _abort(self, request: p.Abort, frames: list) -> Response:
+    def _abort(self, request: p.Abort, frames: list, peer: bytes) -> Response:
         for ident in request.slots:
             held = self._take(ident, request.session, reservation=True)
             if held is not None:
                 self.store.abort([held.reservation])
         return self._reply(p.AbortReply())
 
-    def _put(self, request: p.Put, frames: list) -> Response:
+    def _put(self, request: p.Put, frames: list, peer: bytes) -> Response:
         if len(frames) != len(request.keys):
             raise BadRequest(f"put: {len(request.keys)} keys but {len(frames)} object frames")
         _check_records("put", request.records, len(request.keys))
@@ -442,7 +446,7 @@ class CacheService:
         stored = [True] * len(reservations) + [False] * (len(objects) - len(reservations))
         return self._reply(p.PutReply(stored=stored))
 
-    def _retrieve(self, request: p.Retrieve, frames: list) -> Response:
+    def _retrieve(self, request: p.Retrieve, frames: list, peer: bytes) -> Response:
         if not request.inline and self.arena.path is not None and self._stale(request.arena):
             return self._error("stale-arena", "retrieve names another arena; say hello again")
         inline = request.inline or self.arena.path is None
@@ -465,18 +469,18 @@ class CacheService:
         ident = self._hold(_Held(self._deadline(), request.session, leases=in_arena)) if in_arena else 0
         return self._reply(p.RetrieveReply(lease=ident, offsets=offsets, sizes=sizes), *out)
 
-    def _release(self, request: p.Release, frames: list) -> Response:
+    def _release(self, request: p.Release, frames: list, peer: bytes) -> Response:
         return self._reply(p.ReleaseReply())  # its ``done`` handles were given back by ``handle``
 
-    def _clear(self, request: p.Clear, frames: list) -> Response:
+    def _clear(self, request: p.Clear, frames: list, peer: bytes) -> Response:
         if not self.authorized(request.token):
             return self._error("unauthorized", "clear needs the admin token")
         return self._reply(p.ClearReply(removed=self.clear()))
 
-    def _status(self, request: p.Status, frames: list) -> Response:
+    def _status(self, request: p.Status, frames: list, peer: bytes) -> Response:
         return self._reply(p.StatusReply(status=self.status()))
 
-    def _take_events(self, request: p.TakeEvents, frames: list) -> Response:
+    def _take_events(self, request: p.TakeEvents, frames: list, peer: bytes) -> Response:
         if self.publishes_events:  # each event goes to one taker: a client would tear holes in the stream
             raise BadRequest("events: this server publishes its events on --kv-events-port; subscribe there")
         return self._reply(p.EventsReply(events=self.store.take_events()))

@@ -38,7 +38,9 @@ session, and every other request is refused (``unauthorized``). Handles are rand
 the session that got them: a handle named by another session is refused (and counted), one the
 server no longer knows is ignored. A hello naming its session again keeps it, and its handles,
 across a reconnect; a session the server does not know (it restarted, or the session was idle
-past its limit) is refused as ``stale-session``: say hello again.
+past its limit) is refused as ``stale-session``: say hello again. A connection holds a few
+sessions at most (a new one forgets that connection's oldest), and a server holding its most
+answers a hello that would open another with ``busy``: one client never pushes out another's.
 """
 
 from __future__ import annotations
@@ -285,7 +287,7 @@ class EventsReply(_Reply, tag="events"):
 
 
 class Error(_Reply, tag="error"):
-    code: str  # "bad-request", "version", "stale-arena", "stale-session", "unauthorized", "internal"
+    code: str  # "bad-request", "version", "stale-arena", "stale-session", "unauthorized", "busy", "internal"
     message: str
 
 
