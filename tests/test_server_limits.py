@@ -4,6 +4,7 @@ another client had the bytes of."""
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -18,8 +19,8 @@ from kvtier.server.service import AHEAD_SHARE_OF_L1
 from kvtier.tiers.arena import ALIGNMENT
 from kvtier.wire import protocol as p
 from kvtier.wire.shm import ARENA_OFFSET, read_token
-from kvtier_testing.data_port_junk import dealer
-from kvtier_testing.kvtier_processes import free_port
+from kvtier_testing.data_port_junk import dealer, open_session, unfinished_message
+from kvtier_testing.kvtier_processes import ServerProcess, free_port
 from kvtier_testing.workload import NS, fill_for, kv_of, tokens
 
 pytestmark = pytest.mark.servers  # starts real kvtier servers
@@ -112,6 +113,7 @@ def test_a_flood_of_hellos_never_pushes_out_another_clients_session():
         context = zmq.Context()
         try:
             flooder = dealer(context, server.config.port)
+            open_session(flooder)  # admitted: its connection may send more than a hello's bytes
             token = read_token(server.arena.token.path)
             for _ in range(4096):
                 flooder.send_multipart([b"", p.encode(p.Hello(token=token))])
@@ -120,7 +122,7 @@ def test_a_flood_of_hellos_never_pushes_out_another_clients_session():
                 assert isinstance(p.decode_reply(flooder.recv_multipart()[-1]), p.HelloReply)
             assert isinstance(victim._call(p.Status(), session=victim._session)[0], p.StatusReply)
             per_peer = server.service.sessions.per_peer
-            assert len(server.service.sessions) == 1 + per_peer
+            assert len(server.service.sessions) == 1 + per_peer  # the flooder's newest, and the victim's
 
             server.service.sessions.limit = 16  # many connections, each with its most sessions
             crowd = [dealer(context, server.config.port) for _ in range(8)]
@@ -136,3 +138,53 @@ def test_a_flood_of_hellos_never_pushes_out_another_clients_session():
         finally:
             context.destroy(linger=0)
         victim.close()
+
+
+def _memory_mib(pid: int, field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (the peak so far) of a process, in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) >> 10 for line in status if line.startswith(field + ":"))
+
+
+def _big_lookup_groups(session: bytes = b"") -> bytes:
+    """A 34 MiB ``LookupGroups`` (decoded, it would take several times that)."""
+    return p.encode(p.LookupGroups(chains=[p.Lookup(keys=[bytes(32)] * (p.MAX_KEYS // 2))] * 32, session=session))
+
+
+def test_peer_without_session_cannot_make_server_hold_memory(tmp_path):
+    """A peer with no session costs the server no more than a few hellos' bytes: a 34 MiB
+    ``LookupGroups`` is refused before it is decoded (on a connection that has a session, but
+    naming none) or cut with its connection (on one without); six 64 MiB frames of a message
+    whose last frame never comes are dropped with their connection, not held until it closes.
+    Each cut is counted in ``/metrics``."""
+    server = ServerProcess(tmp_path).start()
+    context = zmq.Context()
+    try:
+        pid = server.proc.pid
+        admitted = dealer(context, server.port)
+        open_session(admitted)
+        peak = _memory_mib(pid, "VmHWM")
+        admitted.send_multipart([b"", _big_lookup_groups()])
+        assert admitted.poll(20_000)
+        assert p.decode_reply(admitted.recv_multipart()[-1]).code == "unauthorized"
+        assert _memory_mib(pid, "VmHWM") - peak < 40, "the server decoded a request that names no session"
+        stranger = dealer(context, server.port)
+        stranger.send_multipart([b"", _big_lookup_groups()])
+        assert not stranger.poll(3000), "a peer without a session is cut, not answered"
+        assert _memory_mib(pid, "VmHWM") - peak < 40, "the server decoded what a peer with no session sent"
+
+        held = _memory_mib(pid, "VmRSS")
+        attack = unfinished_message(server.port, frames=6, frame_bytes=64 << 20)
+        try:
+            time.sleep(2)
+            assert _memory_mib(pid, "VmRSS") - held < 64, "the server holds an unfinished message of no session"
+            with pytest.raises(OSError):  # cut: the connection is gone
+                attack.sendall(bytes(1 << 20))
+                attack.recv(1)
+        finally:
+            attack.close()
+        refused = [line for line in server.get("/metrics").splitlines() if line.startswith("kvtier_refused_before_session")]
+        assert refused == ['kvtier_refused_before_session_total{why="cut"} 2.0']
+    finally:
+        context.destroy(linger=0)
+        assert server.stop() == 0

@@ -130,6 +130,18 @@ class CacheService:
         """Never raises: every failure becomes an ``Error`` reply and the server goes on.
         ``peer``: the ZeroMQ routing id of the connection it came on (for a hello: sessions.py)."""
         start = time.perf_counter()
+        head = p.peek(frames[0])  # judged before it is decoded: a peer without a session costs no memory
+        admitted = self.sessions.seen(head.session)
+        if head.op in _OPEN_OPS:
+            if len(frames) > 1 or len(frames[0]) > p.MAX_OPEN_REQUEST_BYTES:
+                self.metrics.refused_before_session.labels("oversized").inc()
+                return self._error("bad-request", f"a {head.op} is one frame of at most {p.MAX_OPEN_REQUEST_BYTES} bytes")
+        elif not admitted:
+            if head.session:
+                return self._error("stale-session", "this server knows no such session (it restarted, or the "
+                                   "session was idle too long); say hello again")
+            return self._error("unauthorized", "say hello first: this data port admits the processes that can "
+                               "read the server's token file (its user's) and CurveZMQ clients")
         try:
             request = p.decode_request(frames[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -140,13 +152,6 @@ class CacheService:
         counted, timed = self._per_op.get(op) or self._per_op.setdefault(
             op, (self.metrics.requests.labels(op), self.metrics.latency.labels(op)))
         counted.inc()
-        admitted = self.sessions.seen(request.session)
-        if not admitted and op not in _OPEN_OPS:
-            if request.session:
-                return self._error("stale-session", "this server knows no such session (it restarted, or the "
-                                   "session was idle too long); say hello again")
-            return self._error("unauthorized", "say hello first: this data port admits the processes that can "
-                               "read the server's token file (its user's) and CurveZMQ clients")
         try:
             if request.done and admitted:
                 self._give_back(request.done, request.session)

@@ -60,7 +60,14 @@ ARENA_ID_SIZE = 8
 
 #: Upper bounds a server enforces on any request, whatever the client says.
 MAX_KEYS = 65536
-MAX_OBJECT_BYTES = 1 << 34
+#: The largest object (one chunk of one KV-cache group) a client may store: 256 tokens of a
+#: 126-layer model with 8 KV heads of 128 in 16 bits take 126 MiB, a 1024-token chunk 504 MiB.
+MAX_OBJECT_BYTES = 1 << 30
+#: No frame of a message to the server may be larger (the data port's ``MAXMSGSIZE``: ZeroMQ
+#: cuts off a peer that announces more, before it is received): an object, or a request.
+MAX_FRAME_BYTES = MAX_OBJECT_BYTES
+#: A ``Hello`` or ``Ping`` (the requests that need no session) is one frame of at most this size.
+MAX_OPEN_REQUEST_BYTES = 4096
 #: Key chains one ``LookupGroups`` may name (one per KV-cache group of a model); together they may
 #: carry no more keys and partials than one ``Lookup`` (the front thread answers either in place).
 MAX_GROUPS = 256
@@ -296,12 +303,16 @@ Reply = Union[
     ReleaseReply, ClearReply, StatusReply, EventsReply, Error,
 ]
 
-class _Op(msgspec.Struct):
+class Head(msgspec.Struct):
+    """What every request starts with: its type and the session it names. Decoding only these
+    skips the rest without building it, so a request is judged before it costs memory."""
+
     op: str = ""
+    session: bytes = b""
 
 
 _encoder = msgspec.msgpack.Encoder()
-_op_decoder = msgspec.msgpack.Decoder(_Op)
+_head_decoder = msgspec.msgpack.Decoder(Head)
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
@@ -315,13 +326,14 @@ def decode_request(data: bytes | memoryview) -> Request:
     return _request_decoder.decode(data)
 
 
-def peek_op(data: bytes | memoryview) -> str:
-    """The ``op`` of an encoded request without decoding the rest ("" when there is none): lets
-    the server choose where a request is handled before it is validated."""
+def peek(data: bytes | memoryview) -> Head:
+    """The ``Head`` of an encoded request without decoding the rest (empty where it has none):
+    lets the server choose where a request is handled, and refuse one without a session, before
+    it is validated."""
     try:
-        return _op_decoder.decode(data).op
+        return _head_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return ""
+        return Head()
 
 
 def decode_reply(data: bytes | memoryview) -> Reply:
