@@ -188,3 +188,37 @@ def test_peer_without_session_cannot_make_server_hold_memory(tmp_path):
     finally:
         context.destroy(linger=0)
         assert server.stop() == 0
+
+
+def test_a_session_that_never_reads_its_replies_cannot_pile_them_up():
+    """Inline reads asked for and never read: once a session's peer has left more than the
+    server's limit of reply bytes untaken, its next read is refused (``busy``); read, it is
+    served again."""
+    with serving() as (server, url):
+        client = KvtierClient(url, timeout_s=5)
+        cache = TokenCache(client)
+        toks = tokens(500_000, 16 * 64)
+        assert cache.store(NS, toks, fill_for(toks)) == 64
+        keys = [span.key for span in cache.spans(NS, toks)]
+        server.service.undelivered_limit = 4 << 20
+        context = zmq.Context()
+        try:
+            reader = context.socket(zmq.DEALER)
+            reader.setsockopt(zmq.RCVHWM, 1)
+            reader.setsockopt(zmq.RCVBUF, 4096)
+            reader.connect(url)
+            session = open_session(reader)
+            for _ in range(100):  # 100 replies of 64 objects (260 KiB in all each)
+                reader.send_multipart([b"", p.encode(p.Retrieve(keys=keys, inline=True, session=session))])
+            time.sleep(1)
+            answers = []
+            while reader.poll(2000):
+                answers.append(p.decode_reply(reader.recv_multipart()[1]))
+            assert len(answers) == 100
+            refused = [a for a in answers if isinstance(a, p.Error)]
+            assert refused and {a.code for a in refused} == {"busy"}
+            reader.send_multipart([b"", p.encode(p.Retrieve(keys=keys, inline=True, session=session))])
+            assert reader.poll(5000) and isinstance(p.decode_reply(reader.recv_multipart()[1]), p.RetrieveReply)
+        finally:
+            context.destroy(linger=0)
+        client.close()

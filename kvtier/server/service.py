@@ -55,6 +55,11 @@ class _Held:
 #: a store its round trip, it must not take the cache's room (nor, on a small L1, all of it).
 AHEAD_SHARE_OF_L1 = 1 / 8
 
+#: Bytes of read replies a session may have waiting for its peer to take: past them, its next
+#: read is refused (``busy``) until the peer reads (ZeroMQ's send high-water mark bounds how many
+#: replies wait, this what they hold: a peer that asks and never reads cannot pile up copies).
+UNDELIVERED_BYTES_PER_SESSION = 1 << 30
+
 #: Requests that only touch memory (metadata of L1 and of the handles kept here): the front
 #: thread answers them itself, without the two hops to a worker thread and back.
 _MEMORY_OPS = frozenset({"hello", "ping", "reserve", "commit", "abort", "release"})
@@ -98,6 +103,8 @@ class CacheService:
         self._next_deadline = float("inf")  # the earliest deadline held (expire is a no-op before it)
         self._ahead_bytes = 0  # held in slots reserved ahead (claimed before they are reserved)
         self._ahead_limit = int(store.l1.capacity * AHEAD_SHARE_OF_L1)
+        self.undelivered_limit = UNDELIVERED_BYTES_PER_SESSION
+        self._undelivered: dict[bytes, int] = {}  # session -> bytes of its replies not yet taken by its peer
         self._lock = threading.Lock()
         self._per_op: dict[str, tuple] = {}  # each op's request counter and latency histogram
         self._memory_only = all(tier.medium.value == "memory" for tier in store.tiers)
@@ -454,6 +461,10 @@ class CacheService:
     def _retrieve(self, request: p.Retrieve, frames: list, peer: bytes) -> Response:
         if not request.inline and self.arena.path is not None and self._stale(request.arena):
             return self._error("stale-arena", "retrieve names another arena; say hello again")
+        with self._lock:
+            waiting = self._undelivered.get(request.session, 0)
+        if waiting >= self.undelivered_limit:
+            return self._error("busy", f"this session's peer has not taken {waiting} bytes of earlier replies; read them first")
         inline = request.inline or self.arena.path is None
         # Objects that cross a socket carry their checksum; with an arena, only those that came
         # back as copies ( from a lower tier, already checked) do.
@@ -462,17 +473,31 @@ class CacheService:
         offsets = [-1 if inline or not lease.in_arena else lease.offset for lease in leases]
         sizes = [len(lease.view) for lease in leases]
         out = [lease.view for lease, offset in zip(leases, offsets) if offset < 0]
+        delivered = self._undelivered_until_sent(request.session, sum(len(view) for view in out)) if out else None
         if inline:  # leased until ZeroMQ has sent them, or the lease timeout (the client's checksum
             # check refuses what changed meanwhile): a peer that never reads cannot hold memory for ever
             reply = [p.encode(p.RetrieveReply(lease=0, offsets=offsets, sizes=sizes)), *out]
             if not leases:
                 return reply, None
             ident = self._hold(_Held(self._deadline(), request.session, leases=leases))
-            return reply, lambda: self._give_back([ident], request.session)
+            return reply, lambda: (self._give_back([ident], request.session), delivered())
         # Objects that came back as copies travel as frames; the rest stay leased until released.
         in_arena = [lease for lease in leases if lease.in_arena]
         ident = self._hold(_Held(self._deadline(), request.session, leases=in_arena)) if in_arena else 0
-        return self._reply(p.RetrieveReply(lease=ident, offsets=offsets, sizes=sizes), *out)
+        return [p.encode(p.RetrieveReply(lease=ident, offsets=offsets, sizes=sizes)), *out], delivered
+
+    def _undelivered_until_sent(self, session: bytes, size: int) -> Callable[[], None]:
+        """Count ``size`` bytes of a reply as ``session``'s until ZeroMQ has sent them (or dropped
+        them with their connection): returns what to call then."""
+        with self._lock:
+            self._undelivered[session] = self._undelivered.get(session, 0) + size
+
+        def delivered() -> None:
+            with self._lock:
+                left = self._undelivered.pop(session) - size
+                if left:
+                    self._undelivered[session] = left
+        return delivered
 
     def _release(self, request: p.Release, frames: list, peer: bytes) -> Response:
         return self._reply(p.ReleaseReply())  # its ``done`` handles were given back by ``handle``
