@@ -108,7 +108,12 @@ def unfinished_message(port: int, frames: int, frame_bytes: int) -> socket.socke
     ready = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
     try:
         conn.sendall(greeting)
-        conn.recv(len(greeting))  # the server's: ZeroMQ reads the rest only once it has sent it
+        received = 0
+        while received < len(greeting):  # the server's, whole (it may come in parts): ZeroMQ
+            part = conn.recv(len(greeting) - received)  # drops a peer that goes on before that
+            if not part:
+                return conn
+            received += len(part)
         conn.sendall(zmtp3_frame(ready, more=False, command=True) + zmtp3_frame(b"", more=True))
         chunk = bytes(1 << 20)
         for _ in range(frames):
