@@ -41,6 +41,10 @@ across a reconnect; a session the server does not know (it restarted, or the ses
 past its limit) is refused as ``stale-session``: say hello again. A connection holds a few
 sessions at most (a new one forgets that connection's oldest), and a server holding its most
 answers a hello that would open another with ``busy``: one client never pushes out another's.
+A request is judged by its ``Head`` (``op`` and ``session``) before the rest is decoded: one that
+needs a session and names none the server knows costs it nothing more; a ``Hello`` or ``Ping`` is
+one frame of at most ``MAX_OPEN_REQUEST_BYTES``. A ``Retrieve`` of a session whose earlier replies
+its peer has not taken (past the server's limit) is answered ``busy``.
 """
 
 from __future__ import annotations
