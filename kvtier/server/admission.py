@@ -8,7 +8,8 @@ handshake, before a byte of a message flows; on loopback, admission is a hello w
 file's bytes, itself a message. So the server watches the connections that have not been
 admitted yet: one that has sent more than ``PRE_SESSION_BYTES`` (a hello is a few hundred) is
 cut (its socket shut down, so ZeroMQ drops what it held of it), checked every
-``SWEEP_S``. A connection is admitted once a hello on it is answered with a session.
+``SWEEP_S``. A connection is admitted once a hello on it is answered with a session; it is
+known by its descriptor and its peer's address, so a reused descriptor is never mistaken.
 
 The count is the kernel's (``TCP_INFO``'s bytes received) on the connection's file descriptor,
 which ZeroMQ's monitor names at accept and each message carries (``zmq.SRCFD``). Linux only;
@@ -42,62 +43,89 @@ class PreSessionLimit:
         self.port = port
         self.limit = limit
         self._cut = cut
-        self._waiting: set[int] = set()  # descriptors of connections not admitted yet
+        # A connection is known by its descriptor and its peer's address together: the monitor
+        # (accepted, disconnected) and the front thread (admitted) see a descriptor at different
+        # times, and its number is reused once ZeroMQ closes it.
+        self._waiting: dict[int, tuple] = {}  # descriptor -> peer address, of connections not admitted yet
+        self._address: dict[int, tuple] = {}  # descriptor -> peer address, of every connection
+        self._admitted: set[tuple] = set()  # peer addresses of admitted connections
         self._lock = threading.Lock()
 
     def accepted(self, fd: int) -> None:
+        address = _peer_address(fd, self.port)
+        if address is None:  # gone already
+            return
         with self._lock:
-            self._waiting.add(fd)
+            self._address[fd] = address
+            if address not in self._admitted:
+                self._waiting[fd] = address
 
     def disconnected(self, fd: int) -> None:
         with self._lock:
-            self._waiting.discard(fd)
+            self._waiting.pop(fd, None)
+            self._admitted.discard(self._address.pop(fd, None))
 
     def waiting(self, fd: int) -> bool:
-        """Whether the connection on ``fd`` has not been admitted yet (cheap: a set lookup)."""
-        return fd in self._waiting
+        """Whether the connection on ``fd`` may not have been admitted yet (cheap: a lookup)."""
+        return fd in self._waiting or fd not in self._address
 
     def admitted(self, fd: int) -> None:
+        address = _peer_address(fd, self.port)
+        if address is None:
+            return
         with self._lock:
-            self._waiting.discard(fd)
+            self._admitted.add(address)
+            if self._waiting.get(fd) == address:
+                del self._waiting[fd]
 
     def sweep(self) -> None:
         """Cut every connection not admitted yet that has sent more than ``limit`` bytes."""
         with self._lock:
-            waiting = list(self._waiting)
-        for fd in waiting:
-            received = _bytes_received(fd, self.port)
+            waiting = list(self._waiting.items())
+        for fd, address in waiting:
+            received = _bytes_received(fd, self.port, address)
             if received is None or received <= self.limit:
                 continue
             with self._lock:
-                if fd not in self._waiting:  # admitted, or gone, meanwhile
+                if self._waiting.get(fd) != address:  # admitted, or gone, meanwhile
                     continue
-                self._waiting.discard(fd)
-                if _shut_down(fd, self.port):
+                del self._waiting[fd]
+                if _shut_down(fd, self.port, address):
                     self._cut()
                     log.warning("data port: cut a connection that sent %d bytes without a session", received)
 
 
-def _connection(fd: int, port: int) -> socket.socket | None:
-    """A duplicate of ``fd`` where it is a TCP connection of the data port (the number may have
-    been reused since the monitor named it); the caller closes it."""
+def _connection(fd: int, port: int, address: tuple | None = None) -> socket.socket | None:
+    """A duplicate of ``fd`` where it is a TCP connection of the data port (with the peer at
+    ``address``, where given: the number may have been reused since); the caller closes it."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
     except OSError:
         return None
     try:
         if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6) \
-                and sock.getsockname()[1] == port:
-            sock.getpeername()  # connected (raises where it is the listening socket)
+                and sock.getsockname()[1] == port and address in (None, sock.getpeername()):
             return sock
-    except OSError:
+    except OSError:  # not connected (the listening socket), or gone
         pass
     sock.close()
     return None
 
 
-def _bytes_received(fd: int, port: int) -> int | None:
+def _peer_address(fd: int, port: int) -> tuple | None:
     sock = _connection(fd, port)
+    if sock is None:
+        return None
+    try:
+        return sock.getpeername()
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def _bytes_received(fd: int, port: int, address: tuple) -> int | None:
+    sock = _connection(fd, port, address)
     if sock is None:
         return None
     try:
@@ -109,10 +137,10 @@ def _bytes_received(fd: int, port: int) -> int | None:
         sock.close()
 
 
-def _shut_down(fd: int, port: int) -> bool:
+def _shut_down(fd: int, port: int, address: tuple) -> bool:
     """End the connection under ZeroMQ's feet: its next read sees the end, and it closes the
     descriptor and drops the connection's unfinished message itself."""
-    sock = _connection(fd, port)
+    sock = _connection(fd, port, address)
     if sock is None:
         return False
     try:
