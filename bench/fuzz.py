@@ -1,13 +1,14 @@
 """The stateful fuzzer (kvtier_testing/fuzz_server.py) against a real ``kvtier server`` for
 ``--minutes``: several clients store, look up, pin, load and release while clients die, the
 server restarts and raw sessions send crafted requests (repeated keys, other sessions' handles,
-stale arenas, out-of-range fields, garbage). Every retrieve is checked byte for byte, every call
+stale arenas, out-of-range fields, garbage), peers without a session try the data port's limits,
+a client floods hellos and two sessions race to write one key. Every retrieve is checked byte for byte, every call
 against its timeout, held memory after the lease time, and handles against other sessions.
 
 Runs batches of examples until the time is up; a batch that fails prints hypothesis's smallest
 failing example (its moves) and the run goes on with the next batch. Prints the figures and each
 target (TARGETS) with its verdict; last line: one JSON object with examples, failures and the
-figures. Exits 1 on any failure; ``--check`` also exits 1 when another target is missed.
+figures, ``moves`` among them (how many times each move ran). Exits 1 on any failure; ``--check`` also exits 1 when another target is missed.
 """
 
 from __future__ import annotations
@@ -81,10 +82,16 @@ def main(argv: list[str] | None = None) -> int:
         "stale_refused": stats["stale_refused"],
         "forged_refused": stats["forged_refused"],
         "events_checked": stats["events_checked"],
+        "cut_before_hello": stats["cut_before_hello"],
+        "unfinished_cut": stats["unfinished_cut"],
+        "oversized_refused": stats["oversized_refused"],
+        "hello_floods": stats["hello_floods"],
+        "races_stored": stats["races_stored"],
         "servers_replaced": stats["server_replaced"],
         "max_call_s": round(target.max_call_s, 3),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "failure_kinds": sorted(set(failures) | {error for error, _ in target.failed}),
+        "moves": dict(sorted(target.moves.items())),  # how many times each move ran
     }
     shortest: dict[str, list[str]] = {}
     for error, trace in target.failed:

@@ -41,6 +41,9 @@ class ServerMetrics:
         )
         self.client_errors = Counter("kvtier_client_errors", "Requests answered with an error", ["code"], registry=r)
         self.expired = Counter("kvtier_expired", "Leases and reservations that timed out", ["kind"], registry=r)
+        self.refused_before_session = Counter(
+            "kvtier_refused_before_session", "Peers without a session refused before what they sent was decoded: "
+            "connections cut for sending too much, hellos and pings over their size", ["why"], registry=r)
         self.foreign_handles = Counter(
             "kvtier_foreign_handles", "Handles named by a session that does not own them (refused)", registry=r)
         Gauge("kvtier_connected_clients", "Client connections", registry=r).set_function(connected_clients)

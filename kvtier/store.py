@@ -187,8 +187,9 @@ class TieredStore:
     ) -> list[Reservation | None]:
         """L1 slots for whole objects of ``tenant`` (``records[i]``: the block record of
         ``items[i]``, kept with it in every tier that keeps records): None where the key is cached
-        already; the list ends at the first key there is no room for (or that another writer is
-        filling, or that the tenant's quota leaves no room for)."""
+        already; the list ends at the first key there is no room for (or that the tenant's quota
+        leaves no room for). A key another writer is filling gets a slot too: the first commit
+        stores it (``MemoryTier.reserve``)."""
         reservations: list[Reservation | None] = []
         for i, (key, size) in enumerate(items):
             reservation = self.l1.reserve(key, size, records[i] if records else b"", tenant)
@@ -207,15 +208,16 @@ class TieredStore:
         self, reservation: Reservation, key: bytes, size: int, record: bytes = b"", tenant: str = ""
     ) -> Reservation | None:
         """A slot reserved ahead (under a placeholder key) for the object ``key`` of ``size``
-        bytes of ``tenant`` written into it; None where ``key`` is stored or being written
-        already, or does not fit (see ``MemoryTier.bind``)."""
+        bytes of ``tenant`` written into it; None where ``key`` is stored already, or does not
+        fit (see ``MemoryTier.bind``)."""
         return self.l1.bind(reservation, key, size, record, tenant)
 
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
-        """Make filled, sealed slots visible and queue their writes to the lower tiers."""
+        """Make filled, sealed slots visible and queue their writes to the lower tiers (a slot
+        whose key another writer committed first is freed: the key is stored all the same)."""
         for reservation in reservations:
-            self.l1.commit(reservation)
-            self._seen(reservation.key, committed=True)
+            if self.l1.commit(reservation):
+                self._seen(reservation.key, committed=True)
         return [True] * len(reservations)
 
     def abort(self, reservations: Sequence[Reservation]) -> None:

@@ -88,3 +88,39 @@ def open_session(sock: zmq.Socket, timeout_s: float = 5.0) -> bytes:
 
     reply = hello()
     return reply.session or hello(token=read_token(reply.token_path)).session
+
+
+def zmtp3_frame(body: bytes, more: bool, command: bool = False) -> bytes:
+    """One ZMTP 3 frame: flags (more, long, command), its size, its body."""
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(body) < 256:
+        return bytes([flags, len(body)]) + body
+    return bytes([flags | 2]) + len(body).to_bytes(8, "big") + body
+
+
+def unfinished_message(port: int, frames: int, frame_bytes: int, timeout_s: float = 2.0) -> socket.socket:
+    """A connection that speaks ZMTP 3 as a DEALER would, with no session, then sends the
+    envelope and ``frames`` frames of ``frame_bytes`` each, every one marked "more": a message
+    whose last frame never comes (ZeroMQ holds what arrived of it until the peer goes). Sending
+    stops where the server cuts the connection, or stops reading it for ``timeout_s``. Returns
+    the connection, open; closing it ends the attack."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
+    ready = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+    try:
+        conn.sendall(greeting)
+        received = 0
+        while received < len(greeting):  # the server's, whole (it may come in parts): ZeroMQ
+            part = conn.recv(len(greeting) - received)  # drops a peer that goes on before that
+            if not part:
+                return conn
+            received += len(part)
+        conn.sendall(zmtp3_frame(ready, more=False, command=True) + zmtp3_frame(b"", more=True))
+        chunk = bytes(1 << 20)
+        for _ in range(frames):
+            conn.sendall(bytes([3]) + frame_bytes.to_bytes(8, "big"))  # long, more
+            for start in range(0, frame_bytes, len(chunk)):
+                conn.sendall(chunk[: min(len(chunk), frame_bytes - start)])
+    except OSError:  # cut (what the server held of the message is gone), or no longer read
+        pass
+    return conn

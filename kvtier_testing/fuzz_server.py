@@ -2,8 +2,11 @@
 several clients store, look up, pin, load and release; clients are killed and reconnect; the
 server restarts on the same disk tier; the cache is cleared; and raw sessions send what no
 well-behaved client would (repeated keys in a lookup, other sessions' handles, stale arenas,
-out-of-range fields, garbage frames). tests/test_fuzz_server.py runs a bounded number of
-examples; bench/fuzz.py runs it for minutes.
+out-of-range fields, garbage frames); peers without a session send more than a hello, frames
+over the limit and messages whose last frame never comes; an admitted client floods hellos;
+two sessions race to write one key and one gives up. Every move is counted by name
+(``FuzzTarget.moves``). tests/test_fuzz_server.py runs a bounded number of examples;
+bench/fuzz.py runs it for minutes.
 
 The invariants, checked after every move:
 - a retrieve, a load from a pin or a held lease shows exactly the bytes stored under its key
@@ -14,7 +17,11 @@ The invariants, checked after every move:
   (its bytes intact through a clear and new stores), a slot named by another session can still
   be committed by its owner, and the server counts each such naming (kvtier_foreign_handles);
 - a request without a session, with one the server never gave, or a hello with a wrong token
-  is refused.
+  is refused;
+- a connection that sends more than a hello's bytes before its session, or a frame over the
+  limit, is cut (and counted), and the server keeps answering the others;
+- hellos of one client never make another's session stale;
+- of two sessions that write one key, whichever aborts, the key ends stored with its object;
 - the KV events a subscriber gets never hold the cache salt, and announce only blocks of the
   records stored (kvtier_testing/fuzz_events.py).
 """
@@ -44,8 +51,9 @@ from kvtier.keys import ChunkSpan
 from kvtier.layout import KVLayout
 from kvtier.objects import build_object
 from kvtier.wire import protocol as p
+from kvtier.server.admission import PRE_SESSION_BYTES
 from kvtier.wire.shm import ARENA_OFFSET, SharedArena, read_token
-from kvtier_testing.data_port_junk import dealer, pong_through, send_raw
+from kvtier_testing.data_port_junk import dealer, open_session, pong_through, send_raw, unfinished_message, zmtp3_frame
 from kvtier_testing.fuzz_events import EventsProbe
 from kvtier_testing.kvtier_processes import ServerProcess
 
@@ -109,6 +117,7 @@ class FuzzTarget:
                                     l1_gb=L1_GB, chunk_size=CHUNK)
         self.context = zmq.Context()
         self.stats: Counter = Counter()
+        self.moves: Counter = Counter()  # how many times each move ran, by name
         self.max_call_s = 0.0
         self.examples = 0
         #: (error, the example's moves) of each example that failed, as it ran: hypothesis's own
@@ -128,12 +137,20 @@ class FuzzTarget:
     def url(self) -> str:
         return self.server.url
 
+    def metric(self, sample: str) -> float:
+        """A sample of the server's ``/metrics`` (name and labels as it prints them); 0 if absent."""
+        for line in self.server.get("/metrics").splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[1])
+        return 0.0
+
     def foreign_handles(self) -> float:
         """The server's count of handles named by a session that does not own them."""
-        for line in self.server.get("/metrics").splitlines():
-            if line.startswith("kvtier_foreign_handles_total "):
-                return float(line.split()[1])
-        raise AssertionError("the server does not count foreign handles (kvtier_foreign_handles)")
+        return self.metric("kvtier_foreign_handles_total")
+
+    def cut_before_session(self) -> float:
+        """The server's count of connections cut for what they sent before a session."""
+        return self.metric('kvtier_refused_before_session_total{why="cut"}')
 
     def restart(self, kill: bool) -> None:
         self.server.stop(signal.SIGKILL if kill else signal.SIGTERM)
@@ -184,6 +201,7 @@ class RawSession:
         """A new session: a hello learns the token file, a second one proves it read it."""
         reply, _ = self.ask(p.Hello(client="fuzz"))
         assert isinstance(reply, p.HelloReply) and not reply.session, f"a session without the token: {reply}"
+        self.token_path = reply.token_path
         token = read_token(reply.token_path)
         assert token is not None, f"the server's user reads its token file {reply.token_path}"
         reply, _ = self.ask(p.Hello(client="fuzz", token=token))
@@ -228,6 +246,20 @@ class Held:
         return self.epoch == epoch and time.monotonic() - self.at < LEASE_S / 2
 
 
+def _ends(conn) -> bool:
+    """Whether a raw connection is ended by the server within ``ANSWER_S`` (what it sends
+    first, its greeting and handshake, is read and dropped)."""
+    conn.settimeout(ANSWER_S)
+    try:
+        while conn.recv(1 << 16):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        pass
+    return True
+
+
 @contextmanager
 def _timed(target: FuzzTarget, what: str):
     """Bounds how long a client call takes."""
@@ -239,11 +271,12 @@ def _timed(target: FuzzTarget, what: str):
 
 
 def traced(move):
-    """A move that notes itself (with its arguments) in the example's trace."""
+    """A move that notes itself (with its arguments) in the example's trace, and is counted."""
 
     @functools.wraps(move)
     def step(self, **kwargs):
         self.trace.append(f"{move.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
+        self.target.moves[kwargs["request"]["what"] if move.__name__ == "crafted" else move.__name__] += 1
         return move(self, **kwargs)
 
     return step
@@ -254,6 +287,20 @@ sessions = st.integers(0, SESSIONS - 1)
 chains = st.integers(0, CHAINS - 1)
 lengths = st.integers(1, CHAIN_LEN)
 picks = st.integers(0, 1 << 16)
+#: The moves of peers that try the limits of the data port (``crafted`` runs them, by ``what``);
+#: a move added here is one entry and one method of ``ServerFuzz`` of that name.
+PEER_MOVES = [
+    st.fixed_dictionaries({"what": st.just("before_hello"), "frames": st.integers(1, 8),
+                           "frame_kib": st.integers(16, 256)}),
+    st.fixed_dictionaries({"what": st.just("unfinished"), "frames": st.integers(1, 4),
+                           "frame_kib": st.integers(1, 4096)}),
+    st.fixed_dictionaries({"what": st.just("oversized"), "hello": st.booleans()}),
+    st.fixed_dictionaries({"what": st.just("many_hellos"), "count": st.integers(5, 200)}),
+    st.fixed_dictionaries({"what": st.just("reserve_race"), "a": sessions, "chain": chains,
+                           "i": st.integers(0, CHAIN_LEN - 1), "ahead": st.booleans(),
+                           "first": st.sampled_from(["aborts", "aborts-after", "commits-after", "commits-before",
+                                                     "expires"])}),
+]
 
 
 class ServerFuzz(RuleBasedStateMachine):
@@ -509,6 +556,7 @@ class ServerFuzz(RuleBasedStateMachine):
                                "junk": st.lists(st.binary(max_size=64), min_size=1, max_size=4)}),
         st.fixed_dictionaries({"what": st.just("unadmitted"), "s": sessions,
                                "kind": st.sampled_from(["none", "forged", "token"])}),
+        *PEER_MOVES,
     ))
     @traced
     def crafted(self, request):
@@ -530,6 +578,130 @@ class ServerFuzz(RuleBasedStateMachine):
             code = "unauthorized" if kind == "none" else "stale-session"
             assert isinstance(reply, p.Error) and reply.code == code, f"a retrieve with session {forged!r}: {reply}"
         self.count("unadmitted_refused")
+
+    def _is_cut(self, sock, before: float) -> None:
+        """``sock`` (a raw connection) is cut within a second or so, and the server counts it."""
+        assert _ends(sock), "a connection past a hello's bytes without a session was not cut"
+        deadline = time.monotonic() + ANSWER_S
+        while self.target.cut_before_session() <= before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.target.cut_before_session() > before, "a connection cut before its session was not counted"
+
+    def before_hello(self, frames, frame_kib):
+        """Whole messages, more than a hello's bytes in all, from a connection without a
+        session: cut (what it sent is neither decoded nor held), counted."""
+        sock = dealer(self.target.context, self.target.server.port)
+        try:
+            junk = [b"", *[bytes(frame_kib << 10)] * frames]
+            before = self.target.cut_before_session()
+            for _ in range(PRE_SESSION_BYTES // (frames * frame_kib << 10) + 1):
+                sock.send_multipart(junk)
+            deadline = time.monotonic() + ANSWER_S
+            while self.target.cut_before_session() <= before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert self.target.cut_before_session() > before, "a peer sent more than a hello's bytes without a session"
+            self.count("cut_before_hello")
+        finally:
+            sock.close(linger=0)
+
+    def unfinished(self, frames, frame_kib):
+        """A message whose last frame never comes, from a connection without a session: past a
+        hello's bytes it is cut (ZeroMQ drops what it held), counted; below, held until it goes."""
+        before = self.target.cut_before_session()
+        conn = unfinished_message(self.target.server.port, frames, frame_kib << 10)
+        try:
+            if frames * frame_kib << 10 > 2 * PRE_SESSION_BYTES:
+                self._is_cut(conn, before)
+                self.count("unfinished_cut")
+        finally:
+            conn.close()
+
+    def oversized(self, hello):
+        """A frame announced over the largest the server takes: ZeroMQ ends the connection before
+        a byte of it is held. A hello over its size: refused without being decoded."""
+        if hello:
+            sock = dealer(self.target.context, self.target.server.port)
+            try:
+                sock.send_multipart([b"", p.encode(p.Hello(client="x" * p.MAX_OPEN_REQUEST_BYTES))])
+                assert sock.poll(int(ANSWER_S * 1000)), "no answer to an oversized hello"
+                reply = p.decode_reply(sock.recv_multipart()[-1])
+                assert isinstance(reply, p.Error) and reply.code == "bad-request", f"an oversized hello: {reply}"
+            finally:
+                sock.close(linger=0)
+        else:
+            conn = unfinished_message(self.target.server.port, 0, 0)
+            try:
+                conn.sendall(bytes([3]) + (p.MAX_FRAME_BYTES + 1).to_bytes(8, "big"))
+                assert _ends(conn), "the server waits for a frame over its limit"
+            finally:
+                conn.close()
+        self.count("oversized_refused")
+
+    def many_hellos(self, count):
+        """An admitted client says hello ``count`` times on one connection: every other client's
+        and session's session stays (its next request is not ``stale-session``)."""
+        sock = dealer(self.target.context, self.target.server.port)
+        try:
+            open_session(sock)
+            token = read_token(self.sessions[0].token_path)
+            for _ in range(count):
+                sock.send_multipart([b"", p.encode(p.Hello(client="flood", token=token))])
+            for _ in range(count):
+                assert sock.poll(int(ANSWER_S * 1000)), "no answer to a hello of a flood"
+                sock.recv_multipart()
+        finally:
+            sock.close(linger=0)
+        for session in self.sessions:
+            reply, _ = session.ask(p.Status())
+            assert isinstance(reply, p.StatusReply), f"another client's hellos ended a session: {reply}"
+        self.count("hello_floods")
+
+    def reserve_race(self, a, chain, i, ahead, first):
+        """Session ``a`` holds a slot of a key; the other session writes the same key into a slot
+        of its own (reserved by key, or ahead). Whatever ``a`` does (aborts before the other's
+        commit or after, commits after it or before, or lets its slot expire), the key ends
+        stored with its object and the other's commit says so."""
+        holder, other = self.sessions[a], self.sessions[1 - a]
+        key = self.chains[chain][i]
+        obj = self.objects[key]
+        self.stored.add(key)
+        held, _ = holder.ask(p.Reserve(keys=[key], sizes=[len(obj)], arena=holder.arena_id))
+        assert isinstance(held, p.ReserveReply), held
+        if held.states != ["slot"]:  # cached already, or L1 full of held objects
+            self.count("race_skipped")
+            return
+        holder.view(held.offsets[0], len(obj))[:] = obj
+        if ahead:
+            mine, _ = other.ask(p.Reserve(arena=other.arena_id, ahead=[len(obj)]))
+            assert isinstance(mine, p.ReserveReply), mine
+            slots, offsets, keys = mine.ahead_slots, mine.ahead_offsets, [key]
+        else:
+            mine, _ = other.ask(p.Reserve(keys=[key], sizes=[len(obj)], arena=other.arena_id))
+            assert isinstance(mine, p.ReserveReply), mine
+            assert mine.states != ["cached"], "a key only being written counts as cached"
+            slots, offsets, keys = [s for s, st_ in zip(mine.slots, mine.states) if st_ == "slot"], mine.offsets, []
+        if not slots:  # no room (L1 is small, and the held objects stay)
+            holder.ask(p.Abort(slots=held.slots))
+            self.count("race_skipped")
+            return
+        other.view(offsets[0], len(obj))[:] = obj
+        if first == "commits-before":
+            reply, _ = holder.ask(p.Commit(slots=held.slots, arena=holder.arena_id))
+            assert isinstance(reply, p.CommitReply) and reply.committed == [True], reply
+        elif first == "aborts":
+            holder.ask(p.Abort(slots=held.slots))
+        reply, _ = other.ask(p.Commit(slots=slots[:1], keys=keys, arena=other.arena_id))
+        assert isinstance(reply, p.CommitReply) and reply.committed == [True], f"the racing writer's commit: {reply}"
+        if first == "commits-after":
+            reply, _ = holder.ask(p.Commit(slots=held.slots, arena=holder.arena_id))
+            assert isinstance(reply, p.CommitReply) and reply.committed == [True], reply
+        elif first == "aborts-after":
+            holder.ask(p.Abort(slots=held.slots))
+        # "expires": the holder keeps its slot, which the server aborts at the lease time
+        reply, frames = other.ask(p.Retrieve(keys=[key], inline=True))
+        assert isinstance(reply, p.RetrieveReply) and len(frames) == 1, f"a raced key is not stored: {reply}"
+        self.check_object(key, frames[0], "a key two sessions raced to write")
+        self.count("races_stored")
 
     def repeated_keys(self, s, chain, i, j):
         """A lookup that names one key twice (``keys=[A, A]``): a real prompt's chain never does."""

@@ -54,6 +54,11 @@ def test_every_move_in_one_example(tmp_path):
             ("repeated_keys", {"chain": 3, "i": 0, "j": 0}), ("stale_arena", {"kind": "commit", "arena": b"x" * 8}),
             ("out_of_range", {"case": 0, "big": 5}), ("forged_put", {"chain": 1, "flip": 99}),
             ("garbage", {"raw": False, "junk": [b"\x00"]}), ("unadmitted", {"kind": "forged"})]],
+        *[lambda what=what, args=args: machine.crafted(request={"what": what, **args}) for what, args in [
+            ("before_hello", {"frames": 2, "frame_kib": 64}), ("unfinished", {"frames": 3, "frame_kib": 1024}),
+            ("oversized", {"hello": True}), ("oversized", {"hello": False}), ("many_hellos", {"count": 100}),
+            *[("reserve_race", {"a": 0, "chain": 3, "i": i, "ahead": ahead, "first": first})
+              for i, (ahead, first) in enumerate([(False, "aborts-after"), (True, "aborts-after"), (False, "expires")])]]],
         lambda: machine.kill_session(s=0),
         lambda: machine.reconnect(c=1),
         lambda: machine.restart(kill=True, now=3),
@@ -70,5 +75,7 @@ def test_every_move_in_one_example(tmp_path):
         target.close()
     stats = target.stats
     for figure in ("restarts", "lease_waits", "foreign_counted", "stale_refused", "unadmitted_refused",
-                   "forged_refused", "repeated_refused", "retrieve_hits"):
+                   "forged_refused", "repeated_refused", "retrieve_hits", "cut_before_hello", "unfinished_cut",
+                   "oversized_refused", "hello_floods", "races_stored"):
         assert stats[figure] >= 1, f"no {figure}: {dict(stats)}"
+    assert target.moves["reserve_race"] == 3 and target.moves["wait_out_leases"] == 1, dict(target.moves)

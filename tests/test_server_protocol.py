@@ -75,6 +75,7 @@ def server_that_must_stop_in_time():
 def raw_socket(server):
     context = zmq.Context()
     sock = dealer(context, server.config.port)
+    open_session(sock)  # an admitted connection: one without a session is cut past a few hellos' bytes
     yield sock
     sock.close()
     context.term()
@@ -152,6 +153,7 @@ def frames_of_any_envelope():
 def test_malformed_multipart_messages_never_wedge_the_server():
     with server_that_must_stop_in_time() as server, zmq.Context() as context:
         sock = dealer(context, server.config.port)
+        open_session(sock)  # an admitted connection (admission.py cuts one without a session sooner)
 
         @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
         @given(frames=frames_of_any_envelope())
@@ -180,7 +182,7 @@ def test_specific_bad_requests_are_named(raw_socket):
     assert isinstance(reply, p.Error) and "refused" in reply.message
     huge = msgspec.msgpack.encode({"op": "reserve", "keys": [key], "sizes": [1 << 40], "session": session})
     assert ask(raw_socket, [huge]).code == "bad-request"
-    many = msgspec.msgpack.encode({"op": "lookup", "keys": [key] * (p.MAX_KEYS + 1)})
+    many = msgspec.msgpack.encode({"op": "lookup", "keys": [key] * (p.MAX_KEYS + 1), "session": session})
     assert ask(raw_socket, [many]).code == "bad-request"
     assert ask(raw_socket, [p.encode(p.Ping(v=5))]).code == "version"  # the protocol before sessions
     stale = ask(raw_socket, [p.encode(p.Retrieve(keys=[key], arena=b"12345678", session=session))])

@@ -28,6 +28,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvtier.config import ServerConfig
+from kvtier.server.admission import SWEEP_S, PreSessionLimit
 from kvtier.metrics import ServerMetrics
 from kvtier.server.admin_token import AdminToken
 from kvtier.server.http import HttpServer, create_app
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 _WORKERS = "inproc://kvtier-workers"
 _CONTROL = "inproc://kvtier-control"
 _POLL_MS = 200
-#: No single frame may be larger than this (a client sending absurd lengths is cut off by ZeroMQ).
-MAX_FRAME_BYTES = 1 << 32
 #: The longest a stop may take; past it the watchdog removes the arena and exits with
 #: ``EXIT_STOP_OVERRUN``. Well inside the grace periods of systemd (90 s) and Kubernetes (30 s).
 STOP_DEADLINE_S = 4.0
@@ -94,6 +93,7 @@ class KvtierServer:
         self._authenticator = None  # the ZAP handler, while CurveZMQ is on
         self.kv_events: KVEventPublisher | None = None
         self.admin_token = AdminToken(config.admin_token)  # for the HTTP port; the data port's peers are admitted
+        self.admission = PreSessionLimit(config.port, self.metrics.refused_before_session.labels("cut").inc)
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -101,7 +101,7 @@ class KvtierServer:
         """Bind both ports (an error here, such as a port in use, leaves nothing running) and
         start serving."""
         frontend = self._context.socket(zmq.ROUTER)
-        frontend.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        frontend.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # a client sending absurd lengths is cut off
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         if ":" in self.config.host:
             frontend.setsockopt(zmq.IPV6, 1)
@@ -237,10 +237,15 @@ class KvtierServer:
         delimiter = next((i for i, part in enumerate(parts) if not len(part.buffer)), None)
         if delimiter is None or delimiter + 1 >= len(parts):
             return  # no envelope delimiter, or nothing after it: a REQ peer never sends this; drop it
-        if not self.service.answers_from_memory(p.peek_op(parts[delimiter + 1].buffer)):
+        op = p.peek(parts[delimiter + 1].buffer).op
+        if not self.service.answers_from_memory(op):
             backend.send_multipart(parts, copy=False)
             return
-        reply, after_send = self.service.handle([part.buffer for part in parts[delimiter + 1 :]])
+        reply, after_send = self.service.handle([part.buffer for part in parts[delimiter + 1 :]], parts[0].bytes)
+        if op == "hello" and self.admission.waiting(fd := parts[-1].get(zmq.SRCFD)):
+            answer = p.decode_reply(reply[0])
+            if isinstance(answer, p.HelloReply) and answer.session:
+                self.admission.admitted(fd)
         message = [*(part.bytes for part in parts[: delimiter + 1]), *reply]
         if after_send is None:
             frontend.send_multipart(message, copy=False)
@@ -248,20 +253,28 @@ class KvtierServer:
             sending.append((frontend.send_multipart(message, copy=False, track=True), after_send))
 
     def _monitor(self, monitor) -> None:
-        monitor.setsockopt(zmq.RCVTIMEO, _POLL_MS)
+        """Count the connected clients and refused peers, and cut the connections that send too
+        much before their session (admission.py)."""
+        monitor.setsockopt(zmq.RCVTIMEO, int(SWEEP_S * 1000))
         try:
             while not self._stopping.is_set():
+                self.admission.sweep()
                 try:
-                    event = recv_monitor_message(monitor)["event"]
+                    message = recv_monitor_message(monitor)
                 except zmq.Again:
                     continue
+                event = message["event"]
                 if event & _REFUSED:
                     self._refused += 1  # its disconnection follows
                     if self._refused & (self._refused - 1) == 0:  # 1, 2, 4, 8...: a scan cannot flood the log
                         log.warning("data port: refused a peer without an allowed CurveZMQ key (%d so far)",
                                     self._refused)
+                elif event == zmq.EVENT_ACCEPTED:
+                    self._clients += 1
+                    self.admission.accepted(int(message["value"]))
                 else:
-                    self._clients += 1 if event == zmq.EVENT_ACCEPTED else -1
+                    self._clients -= 1
+                    self.admission.disconnected(int(message["value"]))
         finally:
             monitor.close()
 

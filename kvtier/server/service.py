@@ -28,6 +28,7 @@ from kvtier.keys import ChunkSpan
 from kvtier.keystore import Lease, Reservation
 from kvtier.server.sessions import Sessions
 from kvtier.store import TieredStore
+from kvtier.tiers.arena import align_up
 from kvtier.wire import protocol as p
 from kvtier.wire.shm import ARENA_OFFSET, SharedArena
 
@@ -53,6 +54,11 @@ class _Held:
 #: The most of L1 that slots reserved ahead may hold, all clients' pools together: a pool saves
 #: a store its round trip, it must not take the cache's room (nor, on a small L1, all of it).
 AHEAD_SHARE_OF_L1 = 1 / 8
+
+#: Bytes of read replies a session may have waiting for its peer to take: past them, its next
+#: read is refused (``busy``) until the peer reads (ZeroMQ's send high-water mark bounds how many
+#: replies wait, this what they hold: a peer that asks and never reads cannot pile up copies).
+UNDELIVERED_BYTES_PER_SESSION = 1 << 30
 
 #: Requests that only touch memory (metadata of L1 and of the handles kept here): the front
 #: thread answers them itself, without the two hops to a worker thread and back.
@@ -97,11 +103,13 @@ class CacheService:
         self._next_deadline = float("inf")  # the earliest deadline held (expire is a no-op before it)
         self._ahead_bytes = 0  # held in slots reserved ahead (claimed before they are reserved)
         self._ahead_limit = int(store.l1.capacity * AHEAD_SHARE_OF_L1)
+        self.undelivered_limit = UNDELIVERED_BYTES_PER_SESSION
+        self._undelivered: dict[bytes, int] = {}  # session -> bytes of its replies not yet taken by its peer
         self._lock = threading.Lock()
         self._per_op: dict[str, tuple] = {}  # each op's request counter and latency histogram
         self._memory_only = all(tier.medium.value == "memory" for tier in store.tiers)
         self._quick_lookups = all(tier.medium.quick_contains for tier in store.tiers)
-        self._handlers: dict[type, Callable[[p.Request, list], Response]] = {
+        self._handlers: dict[type, Callable[[p.Request, list, bytes], Response]] = {
             p.Hello: self._hello,
             p.Ping: self._ping,
             p.Lookup: self._lookup,
@@ -125,9 +133,22 @@ class CacheService:
         return (op in _MEMORY_OPS or (op in _LOOKUPS and self._quick_lookups)
                 or (op == _RETRIEVE and self._memory_only))
 
-    def handle(self, frames: list) -> Response:
-        """Never raises: every failure becomes an ``Error`` reply and the server goes on."""
+    def handle(self, frames: list, peer: bytes = b"") -> Response:
+        """Never raises: every failure becomes an ``Error`` reply and the server goes on.
+        ``peer``: the ZeroMQ routing id of the connection it came on (for a hello: sessions.py)."""
         start = time.perf_counter()
+        head = p.peek(frames[0])  # judged before it is decoded: a peer without a session costs no memory
+        admitted = self.sessions.seen(head.session)
+        if head.op in _OPEN_OPS:
+            if len(frames) > 1 or len(frames[0]) > p.MAX_OPEN_REQUEST_BYTES:
+                self.metrics.refused_before_session.labels("oversized").inc()
+                return self._error("bad-request", f"a {head.op} is one frame of at most {p.MAX_OPEN_REQUEST_BYTES} bytes")
+        elif not admitted:
+            if head.session:
+                return self._error("stale-session", "this server knows no such session (it restarted, or the "
+                                   "session was idle too long); say hello again")
+            return self._error("unauthorized", "say hello first: this data port admits the processes that can "
+                               "read the server's token file (its user's) and CurveZMQ clients")
         try:
             request = p.decode_request(frames[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -138,17 +159,10 @@ class CacheService:
         counted, timed = self._per_op.get(op) or self._per_op.setdefault(
             op, (self.metrics.requests.labels(op), self.metrics.latency.labels(op)))
         counted.inc()
-        admitted = self.sessions.seen(request.session)
-        if not admitted and op not in _OPEN_OPS:
-            if request.session:
-                return self._error("stale-session", "this server knows no such session (it restarted, or the "
-                                   "session was idle too long); say hello again")
-            return self._error("unauthorized", "say hello first: this data port admits the processes that can "
-                               "read the server's token file (its user's) and CurveZMQ clients")
         try:
             if request.done and admitted:
                 self._give_back(request.done, request.session)
-            response = self._handlers[type(request)](request, frames[1:])
+            response = self._handlers[type(request)](request, frames[1:], peer)
         except BadRequest as exc:
             return self._error("bad-request", str(exc))
         except Exception:
@@ -194,7 +208,7 @@ class CacheService:
         """Forget a handle (the caller holds the lock); a slot reserved ahead gives back its room."""
         held = self._held.pop(ident, None)
         if held is not None and held.ahead:
-            self._ahead_bytes -= len(held.reservation.view)
+            self._ahead_bytes -= align_up(len(held.reservation.view))
         return held
 
     def expire(self) -> None:
@@ -232,15 +246,18 @@ class CacheService:
 
     # -- handlers ----------------------------------------------------------------------------
 
-    def _hello(self, request: p.Hello, frames: list) -> Response:
+    def _hello(self, request: p.Hello, frames: list, peer: bytes) -> Response:
         if self.sessions.seen(request.session):
             session = request.session
-        elif request.token:
-            if not hmac.compare_digest(request.token, self.arena.token.token):
+        elif request.token or self.admits_every_peer:
+            if request.token and not hmac.compare_digest(request.token, self.arena.token.token):
                 return self._error("unauthorized", "hello: not the token of this server's token file")
-            session = self.sessions.open()
+            session = self.sessions.open(peer)
+            if session is None:
+                return self._error("busy", f"this server holds its most sessions ({self.sessions.limit}); "
+                                   "try again once others go idle")
         else:
-            session = self.sessions.open() if self.admits_every_peer else b""
+            session = b""
         shared = self.arena.path is not None
         return self._reply(
             p.HelloReply(
@@ -256,13 +273,13 @@ class CacheService:
             )
         )
 
-    def _ping(self, request: p.Ping, frames: list) -> Response:
+    def _ping(self, request: p.Ping, frames: list, peer: bytes) -> Response:
         return self._reply(p.Pong())
 
-    def _lookup(self, request: p.Lookup, frames: list) -> Response:
+    def _lookup(self, request: p.Lookup, frames: list, peer: bytes) -> Response:
         return self._reply(self._locate(request, request.pin, request.arena, request.session))
 
-    def _lookup_groups(self, request: p.LookupGroups, frames: list) -> Response:
+    def _lookup_groups(self, request: p.LookupGroups, frames: list, peer: bytes) -> Response:
         if any(chain.done or chain.session or chain.pin for chain in request.chains):
             raise BadRequest("lookup_groups: a chain names its own done, session or pin")
         keys = sum(len(chain.keys) + len(chain.partials) for chain in request.chains)
@@ -321,7 +338,7 @@ class CacheService:
     def _stale(self, arena: bytes) -> bool:
         return arena != self.arena.nonce[: p.ARENA_ID_SIZE]
 
-    def _reserve(self, request: p.Reserve, frames: list) -> Response:
+    def _reserve(self, request: p.Reserve, frames: list, peer: bytes) -> Response:
         if self.arena.path is None:
             raise BadRequest("reserve: this server has no shared-memory arena; use put")
         if self._stale(request.arena):
@@ -348,25 +365,26 @@ class CacheService:
 
     def _reserve_ahead(self, sizes: list[int], session: bytes) -> tuple[list[int], list[int]]:
         """Unnamed slots of these sizes for ``session``, as many as there is room for within
-        ``AHEAD_SHARE_OF_L1``: (ids, arena offsets). Each
+        ``AHEAD_SHARE_OF_L1`` (counting the aligned block each takes in L1): (ids, arena offsets). Each
         is reserved under a random placeholder key, which no reader asks for (and an uncommitted
         slot is invisible anyway) until the commit that names its object binds the real key."""
         idents, offsets = [], []
         for size in sizes:
+            taken = align_up(size)
             with self._lock:
-                if self._ahead_bytes + size > self._ahead_limit:
+                if self._ahead_bytes + taken > self._ahead_limit:
                     break  # AHEAD_SHARE_OF_L1: the client's next store reserves by key instead
-                self._ahead_bytes += size
+                self._ahead_bytes += taken
             [reservation] = self.store.reserve([(secrets.token_bytes(32), size)]) or [None]
             if reservation is None:
                 with self._lock:
-                    self._ahead_bytes -= size
+                    self._ahead_bytes -= taken
                 break
             idents.append(self._hold(_Held(self._deadline(), session, reservation=reservation, ahead=True)))
             offsets.append(reservation.offset)
         return idents, offsets
 
-    def _commit(self, request: p.Commit, frames: list) -> Response:
+    def _commit(self, request: p.Commit, frames: list, peer: bytes) -> Response:
         if request.keys and len(request.keys) != len(request.slots):
             raise BadRequest("commit: slots and keys differ in length")
         _check_records("commit", request.records, len(request.keys))
@@ -396,7 +414,7 @@ class CacheService:
             if held.ahead:  # the slot takes its object's key and size now
                 record = request.records[i] if request.records else b""
                 bound = self.store.bind(reservation, key, header.object_size, record, request.tenant)
-                if bound is None:  # stored (or being stored) by another writer meanwhile, too big, over its tenant's max
+                if bound is None:  # stored by another writer meanwhile, too big, over its tenant's max
                     self.store.abort([reservation])
                     committed.append(header.object_size <= len(reservation.view) and self.store.l1.contains([key])[0])  # in L1 now
                     continue
@@ -407,14 +425,14 @@ class CacheService:
         ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead, request.session)
         return self._reply(p.CommitReply(committed=committed, ahead_slots=ahead_slots, ahead_offsets=ahead_offsets))
 
-    def _abort(self, request: p.Abort, frames: list) -> Response:
+    def _abort(self, request: p.Abort, frames: list, peer: bytes) -> Response:
         for ident in request.slots:
             held = self._take(ident, request.session, reservation=True)
             if held is not None:
                 self.store.abort([held.reservation])
         return self._reply(p.AbortReply())
 
-    def _put(self, request: p.Put, frames: list) -> Response:
+    def _put(self, request: p.Put, frames: list, peer: bytes) -> Response:
         if len(frames) != len(request.keys):
             raise BadRequest(f"put: {len(request.keys)} keys but {len(frames)} object frames")
         _check_records("put", request.records, len(request.keys))
@@ -440,9 +458,13 @@ class CacheService:
         stored = [True] * len(reservations) + [False] * (len(objects) - len(reservations))
         return self._reply(p.PutReply(stored=stored))
 
-    def _retrieve(self, request: p.Retrieve, frames: list) -> Response:
+    def _retrieve(self, request: p.Retrieve, frames: list, peer: bytes) -> Response:
         if not request.inline and self.arena.path is not None and self._stale(request.arena):
             return self._error("stale-arena", "retrieve names another arena; say hello again")
+        with self._lock:
+            waiting = self._undelivered.get(request.session, 0)
+        if waiting >= self.undelivered_limit:
+            return self._error("busy", f"this session's peer has not taken {waiting} bytes of earlier replies; read them first")
         inline = request.inline or self.arena.path is None
         # Objects that cross a socket carry their checksum; with an arena, only those that came
         # back as copies ( from a lower tier, already checked) do.
@@ -451,32 +473,46 @@ class CacheService:
         offsets = [-1 if inline or not lease.in_arena else lease.offset for lease in leases]
         sizes = [len(lease.view) for lease in leases]
         out = [lease.view for lease, offset in zip(leases, offsets) if offset < 0]
+        delivered = self._undelivered_until_sent(request.session, sum(len(view) for view in out)) if out else None
         if inline:  # leased until ZeroMQ has sent them, or the lease timeout (the client's checksum
             # check refuses what changed meanwhile): a peer that never reads cannot hold memory for ever
             reply = [p.encode(p.RetrieveReply(lease=0, offsets=offsets, sizes=sizes)), *out]
             if not leases:
                 return reply, None
             ident = self._hold(_Held(self._deadline(), request.session, leases=leases))
-            return reply, lambda: self._give_back([ident], request.session)
+            return reply, lambda: (self._give_back([ident], request.session), delivered())
         # Objects that came back as copies travel as frames; the rest stay leased until released.
         in_arena = [lease for lease in leases if lease.in_arena]
         ident = self._hold(_Held(self._deadline(), request.session, leases=in_arena)) if in_arena else 0
-        return self._reply(p.RetrieveReply(lease=ident, offsets=offsets, sizes=sizes), *out)
+        return [p.encode(p.RetrieveReply(lease=ident, offsets=offsets, sizes=sizes)), *out], delivered
 
-    def _release(self, request: p.Release, frames: list) -> Response:
+    def _undelivered_until_sent(self, session: bytes, size: int) -> Callable[[], None]:
+        """Count ``size`` bytes of a reply as ``session``'s until ZeroMQ has sent them (or dropped
+        them with their connection): returns what to call then."""
+        with self._lock:
+            self._undelivered[session] = self._undelivered.get(session, 0) + size
+
+        def delivered() -> None:
+            with self._lock:
+                left = self._undelivered.pop(session) - size
+                if left:
+                    self._undelivered[session] = left
+        return delivered
+
+    def _release(self, request: p.Release, frames: list, peer: bytes) -> Response:
         return self._reply(p.ReleaseReply())  # its ``done`` handles were given back by ``handle``
 
-    def _clear(self, request: p.Clear, frames: list) -> Response:
+    def _clear(self, request: p.Clear, frames: list, peer: bytes) -> Response:
         if not self.authorized(request.token):
             return self._error("unauthorized", "clear needs the admin token")
         return self._reply(p.ClearReply(removed=self.clear()))
 
-    def _status(self, request: p.Status, frames: list) -> Response:
+    def _status(self, request: p.Status, frames: list, peer: bytes) -> Response:
         return self._reply(p.StatusReply(status=self.status()))
 
-    def _take_events(self, request: p.TakeEvents, frames: list) -> Response:
+    def _take_events(self, request: p.TakeEvents, frames: list, peer: bytes) -> Response:
         if self.publishes_events:  # each event goes to one taker: a client would tear holes in the stream
-            raise BadRequest("events: this server publishes its events on --kv-events-port; subscribe there")
+            raise BadRequest("events: this server publishes its events on its KV-events sockets (--kv-events-dir or --kv-events-port); subscribe there")
         return self._reply(p.EventsReply(events=self.store.take_events()))
 
     # -- shared with the HTTP control plane --------------------------------------------------

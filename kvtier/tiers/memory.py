@@ -108,6 +108,9 @@ class MemoryTier(Tier):
         self._slots: dict[bytes, _Slot] = {}
         # removed while a reader held them, by offset: their key is free for a new object at once
         self._doomed: dict[int, _Slot] = {}
+        # slots of a key that another writer's slot in ``_slots`` is being filled for, by offset:
+        # the first of them committed holds the object, the others are freed at their end
+        self._rivals: dict[int, tuple[bytes, _Slot]] = {}
         self._tenants = TenantLedger()
         self._lock = threading.Lock()
 
@@ -115,28 +118,45 @@ class MemoryTier(Tier):
 
     def reserve(self, key: bytes, size: int, record: bytes = b"", tenant: str = "") -> Reservation | None:
         """A slot for an object of ``size`` bytes (and its block ``record``) owned by ``tenant``,
-        evicting inline if needed. None if the key is already stored or being written, or if no
-        room can be made (all leased, too big, or not within the tenant's quota)."""
+        evicting inline if needed. None if the key is already stored, or if no room can be made
+        (all leased, too big, or not within the tenant's quota). A key another writer is filling
+        a slot for gets a slot of its own: the first of them committed holds the object, so a
+        writer that aborts never leaves the key unstored while another had its bytes."""
         needed = align_up(size)
         with self._lock:
-            if key in self._slots:
+            current = self._slots.get(key)
+            if current is not None and current.committed:
                 return None
             offset = self._allocate(needed, tenant)
             if offset is None:
                 self.stats.rejected_puts += 1
                 self._tenants.refused(tenant)
                 return None
-            self._slots[key] = _Slot(offset, size, needed, record=bytes(record), tenant=tenant)
+            slot = _Slot(offset, size, needed, record=bytes(record), tenant=tenant)
+            if current is None:
+                self._slots[key] = slot
+            else:
+                self._rivals[offset] = (key, slot)
             self._tenants.added(tenant, needed)
         return Reservation(key, self._arena[offset : offset + size], offset)
 
-    def commit(self, reservation: Reservation) -> None:
-        """Make a filled slot visible to readers."""
+    def commit(self, reservation: Reservation) -> bool:
+        """Make a filled slot visible to readers; False where another writer's slot of its key
+        was committed first (this one is freed: the key is stored either way)."""
         with self._lock:
-            slot = self._slots[reservation.key]
+            slot = self._slots.get(reservation.key)
+            if slot is None or slot.offset != reservation.offset:  # a rival of the slot in ``_slots``
+                _, rival = self._rivals.pop(reservation.offset)
+                if slot is not None and slot.committed:
+                    self._free(rival)
+                    return False
+                if slot is not None:  # still being filled: it becomes the rival, freed at its end
+                    self._rivals[slot.offset] = (reservation.key, slot)
+                slot = self._slots[reservation.key] = rival
             slot.committed = True
             self._policy.inserted(reservation.key, slot.size, self.lineage.get(reservation.key))
             self._stored(reservation.key, slot.size)
+        return True
 
     def bind(
         self, reservation: Reservation, key: bytes, size: int, record: bytes = b"", tenant: str = ""
@@ -146,10 +166,12 @@ class MemoryTier(Tier):
         bytes and its block ``record``, owned by ``tenant`` (evicting the tenant's own objects
         where that takes it past its max); the pages of the slot past ``size`` are freed. None,
         and nothing changed, where ``key`` is stored or being written already, where the object
-        does not fit, or where the tenant's quota leaves it no room (counted)."""
+        does not fit, or where the tenant's quota leaves it no room (counted). Where another
+        writer is filling a slot for ``key``, this one becomes its rival, as in ``reserve``."""
         with self._lock:
             slot = self._slots.get(reservation.key)
-            if key in self._slots or slot is None or slot.committed or not 0 < size <= slot.size:
+            current = self._slots.get(key)
+            if (current is not None and current.committed) or slot is None or slot.committed or not 0 < size <= slot.size:
                 return None
             kept = align_up(size)
             self._tenants.removed(slot.tenant, slot.reserved)
@@ -162,7 +184,10 @@ class MemoryTier(Tier):
             if kept < slot.reserved:
                 self._allocator.free(slot.offset + kept, slot.reserved - kept)
             slot.size, slot.reserved, slot.record, slot.tenant = size, kept, bytes(record), tenant
-            self._slots[key] = slot
+            if current is None:
+                self._slots[key] = slot
+            else:
+                self._rivals[slot.offset] = (key, slot)
             self._tenants.added(tenant, kept)
         return Reservation(key, self._arena[slot.offset : slot.offset + size], slot.offset)
 
@@ -170,9 +195,11 @@ class MemoryTier(Tier):
         """Give back a slot that will not be committed."""
         with self._lock:
             slot = self._slots.get(reservation.key)
-            if slot is not None and not slot.committed:
+            if slot is not None and slot.offset == reservation.offset and not slot.committed:
                 del self._slots[reservation.key]
                 self._free(slot)
+            elif (rival := self._rivals.pop(reservation.offset, None)) is not None:
+                self._free(rival[1])
 
     # -- leased read -------------------------------------------------------------------------
 
@@ -263,7 +290,7 @@ class MemoryTier(Tier):
     def limit_tenants(self, quotas: Sequence[TenantQuota], named: Sequence[str]) -> None:
         ledger = TenantLedger(quotas, named, self.capacity, self.name)
         with self._lock:
-            for slot in [*self._slots.values(), *self._doomed.values()]:
+            for slot in [*self._slots.values(), *self._doomed.values(), *(slot for _, slot in self._rivals.values())]:
                 ledger.added(slot.tenant, slot.reserved)
             self._tenants = ledger
 

@@ -20,6 +20,9 @@ writes whole sealed objects into them, ``Commit`` makes them visible (or ``Abort
 Slots may be reserved *ahead* (``ahead`` sizes in ``Reserve`` and ``Commit``): unnamed until the
 ``Commit`` that names the key of the object written into each, so a client that keeps a pool of
 them stores with one round trip (fill, then ``Commit``, which refills the pool).
+A key that another session is writing gets a slot all the same (by key or ahead): the first
+commit stores it and a later one answers ``committed`` (the key is stored), so a writer that
+aborts never leaves unstored a key whose bytes another client had.
 Reads through shared memory are leases: ``Retrieve`` leases objects and says where they are,
 ``Release`` gives them back. Any request may carry the handles its client is done with (``done``:
 leases to release, slots reserved ahead it will not fill), handled before the request itself, so
@@ -35,7 +38,13 @@ session, and every other request is refused (``unauthorized``). Handles are rand
 the session that got them: a handle named by another session is refused (and counted), one the
 server no longer knows is ignored. A hello naming its session again keeps it, and its handles,
 across a reconnect; a session the server does not know (it restarted, or the session was idle
-past its limit) is refused as ``stale-session``: say hello again.
+past its limit) is refused as ``stale-session``: say hello again. A connection holds a few
+sessions at most (a new one forgets that connection's oldest), and a server holding its most
+answers a hello that would open another with ``busy``: one client never pushes out another's.
+A request is judged by its ``Head`` (``op`` and ``session``) before the rest is decoded: one that
+needs a session and names none the server knows costs it nothing more; a ``Hello`` or ``Ping`` is
+one frame of at most ``MAX_OPEN_REQUEST_BYTES``. A ``Retrieve`` of a session whose earlier replies
+its peer has not taken (past the server's limit) is answered ``busy``.
 """
 
 from __future__ import annotations
@@ -55,7 +64,14 @@ ARENA_ID_SIZE = 8
 
 #: Upper bounds a server enforces on any request, whatever the client says.
 MAX_KEYS = 65536
-MAX_OBJECT_BYTES = 1 << 34
+#: The largest object (one chunk of one KV-cache group) a client may store: 256 tokens of a
+#: 126-layer model with 8 KV heads of 128 in 16 bits take 126 MiB, a 1024-token chunk 504 MiB.
+MAX_OBJECT_BYTES = 1 << 30
+#: No frame of a message to the server may be larger (the data port's ``MAXMSGSIZE``: ZeroMQ
+#: cuts off a peer that announces more, before it is received): an object, or a request.
+MAX_FRAME_BYTES = MAX_OBJECT_BYTES
+#: A ``Hello`` or ``Ping`` (the requests that need no session) is one frame of at most this size.
+MAX_OPEN_REQUEST_BYTES = 4096
 #: Key chains one ``LookupGroups`` may name (one per KV-cache group of a model); together they may
 #: carry no more keys and partials than one ``Lookup`` (the front thread answers either in place).
 MAX_GROUPS = 256
@@ -282,7 +298,7 @@ class EventsReply(_Reply, tag="events"):
 
 
 class Error(_Reply, tag="error"):
-    code: str  # "bad-request", "version", "stale-arena", "stale-session", "unauthorized", "internal"
+    code: str  # "bad-request", "version", "stale-arena", "stale-session", "unauthorized", "busy", "internal"
     message: str
 
 
@@ -291,12 +307,16 @@ Reply = Union[
     ReleaseReply, ClearReply, StatusReply, EventsReply, Error,
 ]
 
-class _Op(msgspec.Struct):
+class Head(msgspec.Struct):
+    """What every request starts with: its type and the session it names. Decoding only these
+    skips the rest without building it, so a request is judged before it costs memory."""
+
     op: str = ""
+    session: bytes = b""
 
 
 _encoder = msgspec.msgpack.Encoder()
-_op_decoder = msgspec.msgpack.Decoder(_Op)
+_head_decoder = msgspec.msgpack.Decoder(Head)
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
@@ -310,13 +330,14 @@ def decode_request(data: bytes | memoryview) -> Request:
     return _request_decoder.decode(data)
 
 
-def peek_op(data: bytes | memoryview) -> str:
-    """The ``op`` of an encoded request without decoding the rest ("" when there is none): lets
-    the server choose where a request is handled before it is validated."""
+def peek(data: bytes | memoryview) -> Head:
+    """The ``Head`` of an encoded request without decoding the rest (empty where it has none):
+    lets the server choose where a request is handled, and refuse one without a session, before
+    it is validated."""
     try:
-        return _op_decoder.decode(data).op
+        return _head_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return ""
+        return Head()
 
 
 def decode_reply(data: bytes | memoryview) -> Reply:
