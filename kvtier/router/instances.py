@@ -20,9 +20,9 @@ MAX_BACKOFF_S = 30.0
 class Instance:
     url: str  # http://host:port of vLLM's OpenAI server
     events: str | None = None  # vLLM's KV-events endpoint (--kv-events-config), e.g. tcp://host:5557
+    kvtier: str | None = None  # HTTP address of the kvtier server this instance loads from
     events_key: str | None = None  # the events publisher's CurveZMQ public key file, where it requires CurveZMQ
     events_curve: ClientKeys | None = None  # the router's keys for that publisher (loaded from both files)
-    kvtier: str | None = None  # HTTP address of the kvtier server this instance loads from
     in_flight: int = 0  # requests sent and not finished
     prefill_tokens: float = 0.0  # estimated prompt tokens still to compute of requests not yet answering
     backoff: Backoff = field(default_factory=lambda: Backoff(BACKOFF_S, MAX_BACKOFF_S))  # skipped while it waits
