@@ -30,13 +30,19 @@ from kvtier_testing.sglang_storage import (
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import paired_ratio
 
-import_sglang()
-import torch
 
-# One thread per copy, as on SGLang's storage threads: a page copy split over OpenMP threads on a
-# shared, loaded machine waits for a descheduled thread (copies of 5 ms instead of 0.05 ms, either backend).
-torch.set_num_threads(1)
-from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+def _import_sglang() -> None:
+    """SGLang's storage classes, imported once the flags are read: ``--help`` works without them
+    (the main venv's benchmark check runs it there)."""
+    global torch, PoolName, PoolTransfer
+    import_sglang()
+    import torch
+
+    # One thread per copy, as on SGLang's storage threads: a page copy split over OpenMP threads on a
+    # shared, loaded machine waits for a descheduled thread (copies of 5 ms instead of 0.05 ms, either backend).
+    torch.set_num_threads(1)
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
 
 SPECS = {
     "mha": PoolSpec(kind="mha", layers=4, heads=8, head_dim=128, page_size=64),
@@ -150,6 +156,7 @@ def main() -> int:
     parser.add_argument("--pages", type=int, default=128, help="pages per call (SGLang's STORAGE_BATCH_SIZE: 128)")
     add_check_flag(parser)
     args = parser.parse_args()
+    _import_sglang()
     from kvtier_testing.kvtier_processes import ServerProcess
 
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}, cpus {os.cpu_count()}")
