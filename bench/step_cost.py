@@ -51,6 +51,7 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,7 +62,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier_testing.peers import lmcache_python
+from kvtier_testing.peers import lmcache_python, lmcache_server, lmcache_transfer_config
+from kvtier_testing.services import free_port, kvtier_server
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.vllm_classes import init_single_process
 
@@ -112,8 +114,9 @@ class HookTimer:
 
 
 class CopyTimer:
-    """The KV copies of the engine's pages (``PagedKV.gather`` for saves, ``scatter`` for loads):
-    seconds and bytes, those on the engine's thread apart from the loader thread's."""
+    """The KV copies of the engine's pages (kvtier's ``PagedKV.gather`` for saves, ``scatter`` for
+    loads; LMCache's alike): seconds and bytes, those on the engine's thread apart from the loader
+    thread's."""
 
     def __init__(self) -> None:
         self.engine_s = self.engine_bytes = 0.0
@@ -125,6 +128,18 @@ class CopyTimer:
             gather, scatter = group_pages.gather, group_pages.scatter
             group_pages.gather = self._timed(gather, lambda ids, dest: memoryview(dest).nbytes, on_engine)
             group_pages.scatter = self._timed(scatter, lambda payload, n, first, ids, *a, **k: len(ids) * page_bytes, on_engine)
+
+    def wrap_lmcache(self, page_bytes: int) -> None:
+        """LMCache's copies between the engine's pages and its server's shared memory, made on the
+        engine's thread inside its hooks (the engine-driven transfer of vLLM's CPU build)."""
+        from lmcache.v1.multiprocess.transfer_context import worker_transfer
+
+        def gathered(kv_caches, block_ids, blocks_per_chunk, *args, chunk_indices=None, **kwargs):
+            return page_bytes * (len(block_ids) if chunk_indices is None else len(chunk_indices) * blocks_per_chunk)
+
+        worker_transfer.gather_paged_kv_to_cpu = self._timed(worker_transfer.gather_paged_kv_to_cpu, gathered, True)
+        worker_transfer.scatter_cpu_to_paged_kv = self._timed(
+            worker_transfer.scatter_cpu_to_paged_kv, lambda kv_caches, block_ids, *a, **k: page_bytes * len(block_ids), True)
 
     def _timed(self, fn, size, on_engine: bool):
         def timed(*args, **kwargs):
@@ -168,32 +183,52 @@ class Sample:
             self.by_hook[name] += seconds
 
 
-def _vllm_config(connector: str, num_blocks: int, extra: dict):
+def _vllm_config(transfer: dict | None, num_blocks: int):
+    """vLLM's config of the stepped engine; ``transfer``: the ``KVTransferConfig``'s fields, or None."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig)
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     from kvtier_testing.tiny_model import build_tiny_model
 
-    transfer = None
-    if connector == "kvtier":
-        transfer = KVTransferConfig(kv_connector="KvtierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
-                                    kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     model = ModelConfig(model=str(build_tiny_model()), dtype="bfloat16", max_model_len=16384, skip_tokenizer_init=True)
     config = VllmConfig(
         model_config=model, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=False),
         scheduler_config=SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=16384,
                                          is_encoder_decoder=False),
-        device_config=DeviceConfig(device="cpu"), kv_transfer_config=transfer,
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=KVTransferConfig(**transfer) if transfer is not None else None,
     )
     config.cache_config.num_gpu_blocks = num_blocks
+    # the KV layout vLLM's engine core resolves for its CPU attention backend (LMCache's connector reads it)
+    config.cache_config.kv_cache_layout = CPUAttentionBackend.supported_kv_cache_layouts()[0].name
     config.parallel_config.distributed_executor_backend = "uni"  # the scheduler and its only worker in one process
     return config
 
 
-class SteppedEngine:
-    """vLLM's scheduler with ``connector`` (``kvtier`` or ``none``) and, for kvtier, the worker-role
-    connector over vLLM's KV tensors, stepped without a model."""
+def kvtier_transfer(extra: dict) -> dict:
+    """The ``KVTransferConfig`` fields of kvtier's connector with this extra config."""
+    return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
-    def __init__(self, connector: str, num_blocks: int, extra: dict, seed: int, forward_s: float = 0.0) -> None:
+
+def kv_pattern(tokens: list[int]) -> torch.Tensor:
+    """The KV a forward pass would write for ``tokens`` (whole blocks), in the engine's layout
+    [layer, block, head, token, K and V]: a value of each token, layer, head and channel, so that a
+    load into the wrong blocks, of the wrong tokens or of nothing shows."""
+    ids = torch.tensor(tokens, dtype=torch.int32).view(-1, 1, BLOCK, 1)
+    layer = torch.arange(LAYERS, dtype=torch.int32).view(-1, 1, 1, 1, 1)
+    head = torch.arange(KV_HEADS, dtype=torch.int32).view(-1, 1, 1)
+    channel = torch.arange(2 * HEAD_SIZE, dtype=torch.int32)
+    return ((ids + 7 * layer + 3 * head + channel) % 251).to(torch.bfloat16)  # whole numbers bf16 holds exactly
+
+
+class SteppedEngine:
+    """vLLM's scheduler with ``connector`` (``kvtier``, ``lmcache`` or ``none``) and, with one,
+    the worker-role connector over vLLM's KV tensors, stepped without a model. ``transfer``: the
+    connector's ``KVTransferConfig`` fields."""
+
+    def __init__(self, connector: str, num_blocks: int, transfer: dict | None, seed: int, forward_s: float = 0.0) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -202,11 +237,12 @@ class SteppedEngine:
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.name = connector
-        self.config = _vllm_config(connector, num_blocks, extra)
+        self.config = _vllm_config(transfer, num_blocks)
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                             kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)])
+                                             kv_cache_groups=[KVCacheGroupSpec(self.layers, spec)],
+                                             kv_cache_layout=self.config.cache_config.kv_cache_layout)
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
@@ -215,6 +251,8 @@ class SteppedEngine:
         self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                    block_size=BLOCK, log_stats=True)
         self.worker = None
+        self.write_prompts_kv = False  # the forward pass's stand-in writes new prompts' KV (kv_pattern)
+        self.watched_blocks: list[int] = []
         if self.scheduler.connector is not None:
             for name in SCHEDULER_HOOKS:
                 setattr(self.scheduler.connector, name, self.hooks.wrap(name, getattr(self.scheduler.connector, name)))
@@ -223,13 +261,16 @@ class SteppedEngine:
 
             with set_current_vllm_config(self.config):
                 self.worker = type(self.scheduler.connector)(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
-            # vLLM's CPU layout: one allocation, layer outermost, [block, heads, tokens, K and V] a layer
-            self.kv = torch.zeros(LAYERS, num_blocks, KV_HEADS, BLOCK, 2 * HEAD_SIZE, dtype=torch.bfloat16)
-            self.worker.register_kv_caches({name: self.kv[i] for i, name in enumerate(self.layers)})
-            worker = self.worker.connector_worker
-            self.copies.wrap_pages(worker.pages, on_engine=True)
-            if worker.loader is not None:
-                self.copies.wrap_pages(worker.loader.async_pages, on_engine=False)
+                # vLLM's CPU layout: one allocation, layer outermost, [block, heads, tokens, K and V] a layer
+                self.kv = torch.zeros(LAYERS, num_blocks, KV_HEADS, BLOCK, 2 * HEAD_SIZE, dtype=torch.bfloat16)
+                self.worker.register_kv_caches({name: self.kv[i] for i, name in enumerate(self.layers)})
+            if connector == "kvtier":
+                worker = self.worker.connector_worker
+                self.copies.wrap_pages(worker.pages, on_engine=True)
+                if worker.loader is not None:
+                    self.copies.wrap_pages(worker.loader.async_pages, on_engine=False)
+            else:
+                self.copies.wrap_lmcache(self.kv[0, 0].nbytes * LAYERS)
         self.rng = random.Random(seed)
         self.forward_s = forward_s  # the forward pass's stand-in: the engine's thread waits, the GIL free
         self._ids = 0
@@ -289,6 +330,11 @@ class SteppedEngine:
         def timed(name, fn):
             return self.hooks.wrap("worker." + name, fn)
 
+        if self.write_prompts_kv:
+            for new in output.scheduled_new_reqs:
+                blocks = len(new.prompt_token_ids) // BLOCK
+                self.kv[:, new.block_ids[0][:blocks]] = kv_pattern(new.prompt_token_ids[:blocks * BLOCK])
+        timed("handle_preemptions", worker.handle_preemptions)(output.kv_connector_metadata)
         timed("bind_connector_metadata", worker.bind_connector_metadata)(output.kv_connector_metadata)
         timed("start_load_kv", worker.start_load_kv)(None)
         for i, name in enumerate(self.layers):
@@ -309,20 +355,35 @@ class SteppedEngine:
         return connector_output
 
     def settle(self) -> None:
-        """Untimed: the saver thread's queue drained (stores of earlier samples off the next)."""
-        if self.worker is not None:
+        """Untimed: kvtier's saver thread's queue drained (stores of earlier samples off the next);
+        LMCache's stores are done when its hook returns (a round trip to its server)."""
+        if self.name == "kvtier":
             saver = self.worker.connector_worker._saver
             assert saver is None or saver.wait_idle(30), "the saver did not drain in 30 s"
 
-    def run_until(self, done, limit: int = 10_000) -> Sample:
-        """Steps until ``done()`` (checked after each), summed."""
+    def run_until(self, done, limit: int = 10_000, watch: str | None = None) -> Sample:
+        """Steps until ``done()`` (checked after each), summed; the blocks request ``watch`` held
+        last are kept in ``watched_blocks`` (untimed)."""
         total, started = Sample(), time.perf_counter()
         for _ in range(limit):
             total.add(self.step())
+            if watch in self.scheduler.requests:
+                self.watched_blocks = self.scheduler.kv_cache_manager.get_block_ids(watch)[0]
             if done():
                 total.wall_s = time.perf_counter() - started
                 return total
         raise RuntimeError(f"{self.name}: not done after {limit} steps")
+
+    def check_loaded(self, context: list[int]) -> None:
+        """Untimed, after a hit: the blocks its request held start with ``context``'s KV as it was
+        stored (a hit that recomputed would leave them as they were, zeros); then zeros again, so
+        that the next hit's blocks prove its own load."""
+        if self.worker is None:
+            return
+        blocks = self.watched_blocks[:len(context) // BLOCK]
+        if not torch.equal(self.kv[:, blocks], kv_pattern(context[:len(blocks) * BLOCK])):
+            raise RuntimeError(f"{self.name}: a hit's blocks do not hold the stored context's KV after its load")
+        self.kv[:, blocks] = 0
 
     def prefilled(self, req_ids) -> bool:
         requests = self.scheduler.requests
@@ -368,20 +429,27 @@ def run_round(engine: SteppedEngine, s: Settings, contexts: list[list[int]]) -> 
     out["hits"] = []
     for i in range(s.samples):
         engine.settle()
-        req_id = engine.add(contexts[i % len(contexts)] + engine.tokens(QUESTION), 1)
-        out["hits"].append(engine.run_until(lambda: req_id not in engine.scheduler.requests))
+        context = contexts[i % len(contexts)]
+        req_id = engine.add(context + engine.tokens(QUESTION), 1)
+        out["hits"].append(engine.run_until(lambda: req_id not in engine.scheduler.requests, watch=req_id))
+        engine.check_loaded(context)
     engine.abort(running)
     engine.step()
     return out
 
 
 def store_contexts(engine: SteppedEngine, s: Settings) -> list[list[int]]:
-    """The hits' contexts, computed once on ``engine`` (stored by kvtier), untimed."""
+    """The hits' contexts, computed once on ``engine`` with their KV written (``kv_pattern``) and
+    stored by its connector, untimed; then the engine's KV zeroed."""
     contexts = [engine.tokens(s.context) for _ in range(s.contexts)]
+    engine.write_prompts_kv = True
     for context in contexts:
         req_id = engine.add(context, 1)
         engine.run_until(lambda: req_id not in engine.scheduler.requests)
         engine.settle()
+    engine.write_prompts_kv = False
+    if engine.worker is not None:
+        engine.kv.zero_()
     return contexts
 
 
@@ -489,27 +557,36 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(decodes, args.prompt, args.prefill, args.context, args.steps, args.samples, args.contexts)
     load_before = os.getloadavg()[0]
     lmcache, lmcache_line = lmcache_python()
+    if lmcache is not None and Path(sys.prefix).resolve() != lmcache.parent.parent.resolve():
+        # LMCache lives in its own environment, which sees this one's packages: the whole run there,
+        # so that both connectors are stepped in one process by the same timers, taking turns
+        return subprocess.run([str(lmcache), str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]).returncode
     print(lmcache_line)
-    if lmcache is not None:
-        lmcache_line = "LMCache's MP connector is not stepped by this script yet"  # its server is a process of its own
-        print(lmcache_line)
     # blocks for the larger decode set's prompts as they grow, a prefill and a hit, with room to spare
     num_blocks = decodes[1] * -(-(s.prompt + 3 * s.steps) // BLOCK) + 2 * -(-(s.prefill + s.context) // BLOCK) + 64
     with contextlib.ExitStack() as stack:
         if args.store == "server":
-            extra = {"kvtier.url": stack.enter_context(_server()), "kvtier.save_buffer_gb": 0.25}
+            port = stack.enter_context(_serving(lambda port, http_port, env, logs: kvtier_server(
+                port, http_port, env, logs, "--l1-size-gb", "1", "--chunk-size", "256")))
+            extra = {"kvtier.url": f"tcp://127.0.0.1:{port}", "kvtier.save_buffer_gb": 0.25}
         else:
             extra = {"kvtier.l1_size_gb": max(0.25, 2 * s.contexts * s.context * LAYERS * KV_HEADS * HEAD_SIZE * 4 / (1 << 30)),
                      "kvtier.save_buffer_gb": 0.25}
-        rounds = _measure(args, s, num_blocks, extra)
+        transfers = {"kvtier": kvtier_transfer(extra)}
+        if lmcache is not None:
+            port = stack.enter_context(_serving(lambda *a: lmcache_server(lmcache, *a)))
+            transfers["lmcache"] = lmcache_transfer_config(port)
+        transfers["none"] = None
+        rounds = _measure(args, s, num_blocks, transfers)
     sizes = {x.copy_bytes for by in rounds.values() for r in by for samples in r.values() for x in samples if x.copy_bytes}
     memcpy_s = memcpy_seconds(sizes)
     workloads: dict[str, dict] = defaultdict(dict)
     for name, by in rounds.items():
         for w, figures in summarize(by, memcpy_s).items():
             workloads[w][name] = figures
-    for w in workloads:
-        workloads[w]["lmcache"] = {"skipped": lmcache_line}
+    if lmcache is None:
+        for w in workloads:
+            workloads[w]["lmcache"] = {"skipped": lmcache_line}
     load_after = os.getloadavg()[0]
     _print_tables(workloads)
     print(f"\nload average {load_before:.2f} -> {load_after:.2f} on {os.cpu_count()} CPUs; {args.store} store;"
@@ -523,25 +600,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def _server():
-    """A ``kvtier server`` on loopback for the run: its data port's URL."""
-    from kvtier_testing.services import free_port, kvtier_server
-
+def _serving(make):
+    """A server on loopback for the run, ``make(port, http_port, env, logs)``'s ``Service``: its data port."""
     with tempfile.TemporaryDirectory(prefix="step-cost-") as logs:
         port = free_port()
-        server = kvtier_server(port, free_port(), dict(os.environ), Path(logs), "--l1-size-gb", "1", "--chunk-size", "256")
+        server = make(port, free_port(), dict(os.environ), Path(logs))
         server.start()
         try:
             server.wait_healthy(120)
-            yield f"tcp://127.0.0.1:{port}"
+            yield port
         finally:
             server.terminate()
 
 
-def _measure(args, s: Settings, num_blocks: int, extra: dict) -> dict[str, list]:
-    """Every round of every connector, taking turns: {connector: [round's {workload: samples}]}."""
-    engines = {name: SteppedEngine(name, num_blocks, extra, seed=i, forward_s=args.forward_ms / 1000)
-               for i, name in enumerate(("kvtier", "none"))}
+def _measure(args, s: Settings, num_blocks: int, transfers: dict[str, dict | None]) -> dict[str, list]:
+    """Every round of every connector (``transfers``: its ``KVTransferConfig`` fields), taking
+    turns: {connector: [round's {workload: samples}]}."""
+    engines = {name: SteppedEngine(name, num_blocks, transfer, seed=i, forward_s=args.forward_ms / 1000)
+               for i, (name, transfer) in enumerate(transfers.items())}
     contexts = {name: store_contexts(engine, s) for name, engine in engines.items()}
     profiler = None
     if args.profile:
