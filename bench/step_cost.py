@@ -96,6 +96,10 @@ DECODE_HOOK_US = 50.0
 DECODE_GROWTH = 1.2
 VS_SCHEDULER = 0.10
 COPY_VS_MEMCPY = 0.8
+#: Every connector's memory tier (kvtier's, embedded or its server's, and LMCache's server's): room
+#: for a round's stores (256 decoding prompts of 1 MiB, the mixed prefills) with the hits' contexts
+#: still held, so that a hit is a hit (each is checked).
+L1_GB = 1.0
 
 
 def _nothing() -> None:
@@ -395,8 +399,10 @@ class SteppedEngine:
         if self.worker is None:
             return
         blocks = self.watched_blocks[:len(context) // BLOCK]
-        if not torch.equal(self.kv[:, blocks], kv_pattern(context[:len(blocks) * BLOCK])):
-            raise RuntimeError(f"{self.name}: a hit's blocks do not hold the stored context's KV after its load")
+        right = (self.kv[:, blocks] == kv_pattern(context[:len(blocks) * BLOCK])).transpose(0, 1).flatten(1).all(1)
+        if not right.all():
+            raise RuntimeError(f"{self.name}: a hit's blocks do not hold the stored context's KV after its load"
+                               f" ({int(right.sum())} of {len(blocks)} blocks do, the first wrong one is {int((~right).nonzero()[0])})")
         self.kv[:, blocks] = 0
 
     def prefilled(self, req_ids) -> bool:
@@ -584,14 +590,13 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         if args.store == "server":
             port = stack.enter_context(_serving(lambda port, http_port, env, logs: kvtier_server(
-                port, http_port, env, logs, "--l1-size-gb", "1", "--chunk-size", "256")))
+                port, http_port, env, logs, "--l1-size-gb", str(L1_GB), "--chunk-size", "256")))
             extra = {"kvtier.url": f"tcp://127.0.0.1:{port}", "kvtier.save_buffer_gb": 0.25}
         else:
-            extra = {"kvtier.l1_size_gb": max(0.25, 2 * s.contexts * s.context * LAYERS * KV_HEADS * HEAD_SIZE * 4 / (1 << 30)),
-                     "kvtier.save_buffer_gb": 0.25}
+            extra = {"kvtier.l1_size_gb": L1_GB, "kvtier.save_buffer_gb": 0.25}
         transfers = {"kvtier": kvtier_transfer(extra)}
         if lmcache is not None:
-            port = stack.enter_context(_serving(lambda *a: lmcache_server(lmcache, *a)))
+            port = stack.enter_context(_serving(lambda *a: lmcache_server(lmcache, *a, l1_size_gb=L1_GB)))
             transfers["lmcache"] = lmcache_transfer_config(port)
         transfers["none"] = None
         rounds = _measure(args, s, num_blocks, transfers)
