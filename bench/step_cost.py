@@ -1,10 +1,10 @@
 """What kvtier costs on the engine's thread, step by step (issue 43): vLLM 0.32's real
 ``Scheduler`` (built on the CPU, no model) and the connector's real halves (``KvtierConnector``
 in the scheduler role inside vLLM's scheduler, and in the worker role stepped as vLLM's model
-runner steps it: handle_preemptions, bind, start_load_kv, each layer's wait_for_layer_load and save_kv_layer,
-wait_for_save, get_transfer_results, get_block_ids_with_load_errors, get_kv_connector_stats,
-build_connector_worker_meta, clear), over an embedded store or a ``kvtier server`` started for
-the run (``--store``). No model: the model runner's
+runner steps it: handle_preemptions, bind, start_load_kv, each layer's wait_for_layer_load and
+save_kv_layer, wait_for_save, get_transfer_results, get_block_ids_with_load_errors,
+get_kv_connector_stats, build_connector_worker_meta, clear), over an embedded store or a ``kvtier
+server`` started for the run (``--store``). No model: the model runner's
 output samples one token for each request whose prompt the step completes, and the forward
 pass is a sleep of ``--forward-ms`` (a GPU's time: the engine's thread waits, the GIL
 free for kvtier's loader and saver threads, as on a GPU host).
@@ -204,7 +204,6 @@ class Sample:
 def _vllm_config(transfer: dict | None, num_blocks: int):
     """vLLM's config of the stepped engine; ``transfer``: the ``KVTransferConfig``'s fields, or None."""
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig)
-
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     from kvtier_testing.tiny_model import build_tiny_model
