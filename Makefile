@@ -7,6 +7,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PEERS := .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -35,7 +37,8 @@ demo: $(STAMP)
 demo-transformers: $(STAMP)
 	$(VENV)/bin/kvtier-demo-transformers
 
-test: $(STAMP)
+# .venv-peers too: bench/step_cost.py's test steps LMCache beside kvtier (a skip fails CI)
+test: $(STAMP) $(PEERS_STAMP)
 	$(PY) -m pytest -q
 
 # the tests that start no engine and take under two seconds each: minutes, for the edit-test loop
@@ -62,8 +65,6 @@ bench-slow-remote: $(STAMP)
 # LMCache beside kvtier for bench/vllm_ttft.py --families (kvtier_testing/peers.py), in a venv of its
 # own so that kvtier's lock stays as it is: .venv-peers sees .venv's packages (a .pth file) and adds
 # LMCache without its pins (--no-deps: they would replace vLLM's) and what its server imports beyond them.
-PEERS := .venv-peers
-PEERS_STAMP := $(PEERS)/.installed
 LMCACHE_PEERS := lmcache==0.5.6
 LMCACHE_EXTRAS := opentelemetry-exporter-prometheus==0.66b2 aiofiles==25.1.0 aiofile==3.12.3 awscrt==0.38.1
 

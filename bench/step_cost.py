@@ -76,6 +76,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import kvtier
+import kvtier_testing
 from kvtier_testing.peers import lmcache_python, lmcache_server, lmcache_transfer_config
 from kvtier_testing.services import free_port, kvtier_server
 from kvtier_testing.targets import Target, add_check_flag, finish, report
@@ -582,7 +584,11 @@ def main(argv: list[str] | None = None) -> int:
     if lmcache is not None and Path(sys.prefix).resolve() != lmcache.parent.parent.resolve():
         # LMCache lives in its own environment, which sees this one's packages: the whole run there,
         # so that both connectors are stepped in one process by the same timers, taking turns
-        return subprocess.run([str(lmcache), str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)]).returncode
+        # (the peers environment sees this one's site-packages but not its editable installs' finders)
+        roots = {str(Path(module.__file__).resolve().parent.parent) for module in (kvtier, kvtier_testing)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sorted(roots), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        return subprocess.run([str(lmcache), str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)],
+                              env=env).returncode
     print(lmcache_line)
     # blocks for the larger decode set's prompts as they grow, a prefill and a hit, with room to spare
     num_blocks = decodes[1] * -(-(s.prompt + 3 * s.steps) // BLOCK) + 2 * -(-(s.prefill + s.context) // BLOCK) + 64
