@@ -196,11 +196,15 @@ class PagedKV:
 
     # -- copies --------------------------------------------------------------------------------
     #
-    # On CPU the copies go through numpy on the calling thread, one slice assignment per run of
-    # consecutive blocks (every layer at once where one view covers them, else slot by slot):
-    # memcpy of each run. Indexed numpy copies are no alternative: ``np.take`` copies a strided
-    # source whole first (the whole KV cache, for a cross-layer or K/V-split layout), and fancy
-    # indexing goes through a temporary. torch
+    # On CPU the copies go through numpy on the calling thread, each one call into C (which lets
+    # go of the GIL) per slot pair, however scattered vLLM's blocks are: a Python loop per run
+    # of consecutive blocks cost a call and a GIL round trip per run, and on the loader thread
+    # each round trip waits for the engine's thread to let go of the GIL. Out of vLLM's blocks,
+    # ``np.take`` with ``out`` (memcpy of each page; it needs a contiguous source, else it would
+    # copy the whole KV cache first: the cross-layer and K/V-split layouts keep a loop per run).
+    # Into vLLM's blocks, one slice assignment where the blocks are one run (memcpy of each
+    # layer's run; numpy's indexed assignment is slower there), else one indexed assignment
+    # (``take``'s ``mode="raise"`` and indexed reads go through a temporary: never used). torch
     # would split them over its intra-op threads, which is no faster for a memory copy and can
     # be a hundred times slower when the cores are busy (the engine's own threads, the saver
     # thread). On an accelerator, torch copies in a few batched operations (device_copy.py): a
@@ -254,9 +258,14 @@ class PagedKV:
                         _wide(dst).index_copy_(0, index, _as(copies.to_device(torch.from_numpy(src[first : first + n])), dst))
             return
         pairs, lead = self._host_pairs(segments, slots)
-        for pos, block, length in _runs(block_ids):
-            for dst, src in pairs:
-                dst[(*lead, slice(block, block + length))] = src[(*lead, slice(first + pos, first + pos + length))]
+        index = self._index(block_ids)
+        one_run = bool((np.diff(index) == 1).all())
+        for dst, src in pairs:
+            part = src[(*lead, slice(first, first + n))]
+            if one_run:
+                dst[(*lead, slice(int(index[0]), int(index[0]) + n))] = part
+            else:
+                dst[(*lead, index)] = part
 
     def gather(self, block_ids: Sequence[int], dest: memoryview) -> None:
         """vLLM's blocks ``block_ids`` into ``dest``, a writable payload buffer of
@@ -279,9 +288,20 @@ class PagedKV:
                         copies.to_host(_wide(src).index_select(0, index), torch.from_numpy(out))
             return
         pairs, lead = self._host_pairs(segments)
-        for pos, block, length in _runs(block_ids):
-            for src, out in pairs:
+        index = self._index(block_ids)
+        for src, out in pairs:
+            if src.flags.c_contiguous:  # ids checked: "clip" never clips
+                np.take(src, index, axis=len(lead), out=out, mode="clip")
+                continue
+            for pos, block, length in _runs(index):
                 out[(*lead, slice(pos, pos + length))] = src[(*lead, slice(block, block + length))]
+
+    def _index(self, block_ids: Sequence[int]) -> np.ndarray:
+        """``block_ids`` as an index array, or IndexError for an id that names no block."""
+        index = np.asarray(block_ids, dtype=np.intp)
+        if index.size and (index.min() < 0 or index.max() >= self.num_blocks):
+            raise IndexError(f"block ids {block_ids} outside vLLM's {self.num_blocks} blocks")
+        return index
 
     def twin(self) -> "PagedKV":
         """The same views with copies of their own (on CUDA their own stream and event): for
