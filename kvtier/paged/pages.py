@@ -299,7 +299,7 @@ class PagedKV:
     def _index(self, block_ids: Sequence[int]) -> np.ndarray:
         """``block_ids`` as an index array, or IndexError for an id that names no block."""
         index = np.asarray(block_ids, dtype=np.intp)
-        if index.size and (index.min() < 0 or index.max() >= self.num_blocks):
+        if (index.view(np.uintp) >= self.num_blocks).any():  # a negative id too, as unsigned
             raise IndexError(f"block ids {block_ids} outside vLLM's {self.num_blocks} blocks")
         return index
 
