@@ -107,8 +107,9 @@ COPIES = [None] if DEVICE.type == "cuda" else [True, False]  # numpy copies, tor
 
 @pytest.mark.parametrize("host_copies", COPIES, ids=lambda c: {None: "device", True: "numpy", False: "torch"}[c])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("src_ids, dst_ids", [([5, 6, 7, 8], [11, 12, 13, 14]), ([9, 3, 17, 18, 1, 12], [2, 19, 4, 0, 15, 16])],
-                         ids=["one-run", "scattered"])
+@pytest.mark.parametrize("src_ids, dst_ids", [([5, 6, 7, 8], [11, 12, 13, 14]), ([9, 3, 17, 18, 1, 12], [2, 19, 4, 0, 15, 16]),
+                                              ([5, 7, 6, 8], [11, 13, 12, 14])],
+                         ids=["one-run", "scattered", "one-span-out-of-order"])
 def test_pages_of_each_vllm_layout_round_trip_byte_for_byte(layout, host_copies, src_ids, dst_ids):
     engine, _ = LAYOUTS[layout]()
     other, _ = LAYOUTS[layout]()
@@ -194,6 +195,25 @@ def test_pages_of_several_groups_copy_through_one_payload_and_lock_it_once():
         pages_second.scatter(payload, 4, 0, [9, 10, 11, 12])  # the next launches do not raise it
         pages_second.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(_logical_blocks(second, [9, 10, 11, 12]), _logical_blocks(first, [5, 6, 7, 8])))
+
+
+@pytest.mark.parametrize("ids", [[3, 4, B], [3, 4, -1], [B - 2, B - 1, B], [-1, 0, 1]],
+                         ids=["past-the-end", "negative", "run-past-the-end", "run-from-negative"])
+def test_a_block_id_outside_the_kv_cache_is_refused_before_any_block_moves(ids):
+    """A block id vLLM's KV cache does not have (a bug upstream) is an error, raised before any
+    copy: no block is overwritten, no payload half filled."""
+    engine, _ = LAYOUTS["LBHNC"]()
+    pages = _paged(engine, COPIES[0])
+    payload = _payload(pages, 3)
+    before = [v.clone() for v in engine]
+    with pytest.raises(IndexError, match="outside"):
+        pages.scatter(payload, 3, 0, ids)
+    pages.synchronize()
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(engine, before))
+    np.frombuffer(payload, dtype=np.uint8)[:] = 7
+    with pytest.raises(IndexError, match="outside"):
+        pages.gather(ids, payload)
+    assert not np.any(np.frombuffer(payload, dtype=np.uint8) != 7)
 
 
 def test_block_forms_are_read_from_strides():

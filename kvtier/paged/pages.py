@@ -196,11 +196,15 @@ class PagedKV:
 
     # -- copies --------------------------------------------------------------------------------
     #
-    # On CPU the copies go through numpy on the calling thread, one slice assignment per run of
-    # consecutive blocks (every layer at once where one view covers them, else slot by slot):
-    # memcpy of each run. Indexed numpy copies are no alternative: ``np.take`` copies a strided
-    # source whole first (the whole KV cache, for a cross-layer or K/V-split layout), and fancy
-    # indexing goes through a temporary. torch
+    # On CPU the copies go through numpy on the calling thread, each one call into C (which lets
+    # go of the GIL) per slot pair, however scattered vLLM's blocks are: a Python loop per run
+    # of consecutive blocks cost a call and a GIL round trip per run, and on the loader thread
+    # each round trip waits for the engine's thread. Blocks in one run: one slice assignment
+    # (memcpy of each layer's run). Scattered blocks: out of vLLM's blocks ``np.take`` with
+    # ``out`` (memcpy of each page; it needs a contiguous source, else it would copy the whole
+    # KV cache first: the cross-layer and K/V-split layouts keep a loop per run), into them one
+    # indexed assignment. Indexed reads and ``take``'s ``mode="raise"`` go through a temporary:
+    # never used. torch
     # would split them over its intra-op threads, which is no faster for a memory copy and can
     # be a hundred times slower when the cores are busy (the engine's own threads, the saver
     # thread). On an accelerator, torch copies in a few batched operations (device_copy.py): a
@@ -254,14 +258,20 @@ class PagedKV:
                         _wide(dst).index_copy_(0, index, _as(copies.to_device(torch.from_numpy(src[first : first + n])), dst))
             return
         pairs, lead = self._host_pairs(segments, slots)
-        for pos, block, length in _runs(block_ids):
-            for dst, src in pairs:
-                dst[(*lead, slice(block, block + length))] = src[(*lead, slice(first + pos, first + pos + length))]
+        index, start = self._index(block_ids)
+        for dst, src in pairs:
+            part = src[(*lead, slice(first, first + n))]
+            if start is not None:
+                dst[(*lead, slice(start, start + n))] = part
+            else:
+                dst[(*lead, index)] = part
 
     def gather(self, block_ids: Sequence[int], dest: memoryview) -> None:
         """vLLM's blocks ``block_ids`` into ``dest``, a writable payload buffer of
         ``len(block_ids)`` blocks. Called from the engine's thread: on CUDA the engine's later
         kernels wait (on the device) for the copy, and ``dest`` is complete once ``fence()`` is."""
+        if not len(block_ids):
+            return
         segments = self._segments(dest, len(block_ids))
         if self._device is not None:
             with self._device.copying(dest, engine_waits=True) as copies:
@@ -279,9 +289,30 @@ class PagedKV:
                         copies.to_host(_wide(src).index_select(0, index), torch.from_numpy(out))
             return
         pairs, lead = self._host_pairs(segments)
-        for pos, block, length in _runs(block_ids):
-            for src, out in pairs:
-                out[(*lead, slice(pos, pos + length))] = src[(*lead, slice(block, block + length))]
+        index, start = self._index(block_ids)
+        for src, out in pairs:
+            if start is not None:
+                out[...] = src[(*lead, slice(start, start + len(block_ids)))]
+            elif src.flags.c_contiguous:  # ids checked: "clip" never clips
+                np.take(src, index, axis=len(lead), out=out, mode="clip")
+            else:
+                for pos, block, length in _runs(index):
+                    out[(*lead, slice(pos, pos + length))] = src[(*lead, slice(block, block + length))]
+
+    def _index(self, block_ids: Sequence[int]) -> tuple[np.ndarray | None, int | None]:
+        """(None, the first id) where ``block_ids`` are one run of consecutive ids, else (them as
+        an index array, None); IndexError for an id that names no block. The run is found in
+        plain Python: a chunk names a few blocks, where numpy's per-call cost is many times the work."""
+        ids = block_ids.tolist() if isinstance(block_ids, np.ndarray) else list(block_ids)
+        first, n = ids[0], len(ids)
+        if ids == list(range(first, first + n)):
+            if 0 <= first and first + n <= self.num_blocks:
+                return None, first
+        else:
+            index = np.asarray(ids, dtype=np.intp)
+            if not (index.view(np.uintp) >= self.num_blocks).any():  # a negative id too, as unsigned
+                return index, None
+        raise IndexError(f"block ids {ids} outside vLLM's {self.num_blocks} blocks")
 
     def twin(self) -> "PagedKV":
         """The same views with copies of their own (on CUDA their own stream and event): for
