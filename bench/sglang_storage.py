@@ -27,6 +27,7 @@ from pathlib import Path
 from kvtier_testing.sglang_storage import (
     PoolSpec, file_extra, host_pool, import_sglang, kvtier_extra, l2_disk, make_backend,
 )
+from kvtier_testing.page_cache import drop_folder
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import paired_ratio
 
@@ -54,19 +55,6 @@ TARGETS = {
     "set_server": Target(">=", 3.0, "issue 42: 3x HiCacheFile through the server's memory tier"),
     "get_server": Target(">=", 3.0, "issue 42: 3x HiCacheFile through the server's memory tier"),
 }
-
-
-def drop_page_cache(directory: Path) -> None:
-    """Write ``directory``'s files to disk and drop them from the page cache: the next read of a
-    page comes from the disk, as it does for a storage tier larger than the host's free memory."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 class Bench:
@@ -99,8 +87,8 @@ class Bench:
         embedded = self.backends["embedded"]
         embedded.cache.key_store.flush()
         embedded.close()
-        drop_page_cache(self.file_dir)
-        drop_page_cache(self.l2_dir)
+        drop_folder(self.file_dir)
+        drop_folder(self.l2_dir)
         self.backends["embedded"] = again = self._embedded()
         again.register_mem_pool_host(self.pools["embedded"])
         again.register_mem_host_pool_v2(self.pools["embedded"], PoolName.KV)
