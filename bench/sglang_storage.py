@@ -4,7 +4,8 @@ The same SGLang host pool (MHA and MLA page geometries) feeds every backend: ``H
 local disk; kvtier embedded (memory tier over a disk tier on the same local disk); kvtier through a
 real ``kvtier server`` (its memory tier, pages through the shared-memory arena). Rounds take the
 backends in turn (``interleaved``), each round with fresh page keys: ``batch_set_v2`` of a batch of
-pages, ``batch_get_v2`` of them back (checked byte for byte), ``batch_exists_v2`` latency. Prints
+pages, ``batch_get_v2`` of them back (checked byte for byte), ``batch_exists_v2`` latency; each call
+timed once the background work of the calls before it is done (``Bench.settle``). Prints
 the load average, each figure's median and spread over rounds, the paired ratios to HiCacheFile,
 the targets, and a last JSON line with ``vs_hicache_file[op][backend]``.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from kvtier_testing.sglang_storage import (
     PoolSpec, file_extra, host_pool, import_sglang, kvtier_extra, l2_disk, make_backend,
 )
+from kvtier_testing.page_cache import drop_folder
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import paired_ratio
 
@@ -54,19 +56,6 @@ TARGETS = {
     "set_server": Target(">=", 3.0, "issue 42: 3x HiCacheFile through the server's memory tier"),
     "get_server": Target(">=", 3.0, "issue 42: 3x HiCacheFile through the server's memory tier"),
 }
-
-
-def drop_page_cache(directory: Path) -> None:
-    """Write ``directory``'s files to disk and drop them from the page cache: the next read of a
-    page comes from the disk, as it does for a storage tier larger than the host's free memory."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 class Bench:
@@ -99,11 +88,18 @@ class Bench:
         embedded = self.backends["embedded"]
         embedded.cache.key_store.flush()
         embedded.close()
-        drop_page_cache(self.file_dir)
-        drop_page_cache(self.l2_dir)
+        drop_folder(self.file_dir)
+        drop_folder(self.l2_dir)
         self.backends["embedded"] = again = self._embedded()
         again.register_mem_pool_host(self.pools["embedded"])
         again.register_mem_host_pool_v2(self.pools["embedded"], PoolName.KV)
+
+    def settle(self) -> None:
+        """Finish what the calls before left running (the embedded store's writes to its disk
+        tier, every backend's dirty pages), so that no call is timed while another backend's
+        background work shares the cores, the memory and the disk with it."""
+        self.backends["embedded"].cache.key_store.flush()
+        os.sync()
 
     def close(self) -> None:
         for name in ("embedded", "server"):
@@ -130,6 +126,7 @@ def run(bench: Bench, rounds: int, pages: int) -> dict:
                     pool = bench.pools[name]
                     for i in (0, pages - 1):
                         pool.set_from_flat_data_page(int(dst[i * spec.page_size]), pool.get_dummy_flat_data_page())
+                bench.settle()
                 start = time.perf_counter()
                 if op == "set":
                     ok = backend.batch_set_v2([put])[PoolName.KV]

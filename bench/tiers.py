@@ -26,6 +26,7 @@ from kvtier.tiers.arena import ALIGNMENT, allocate_buffer
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.memory import MemoryTier
 from kvtier_testing.cache_dir import cache_dir
+from kvtier_testing.page_cache import drop
 from kvtier_testing.plotting import add_plot_flag, comparison_bars
 from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.timing import GIB, best_of_interleaved
@@ -47,15 +48,6 @@ def make_objects(layout: KVLayout, count: int) -> list[tuple[bytes, bytearray]]:
         objects.append((key, build_object(key, layout, TOKENS, payload.data)))
     return objects
 
-
-
-def drop_cache(paths) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def bench_l1(objects, repeats: int) -> dict[str, float]:
@@ -134,7 +126,7 @@ def bench_l2(objects, workdir: Path, odirect: bool, repeats: int) -> dict[str, f
         return [p for p in tier_dir.rglob("*") if p.is_file()]
 
     def raw_get():
-        drop_cache(raw_files())
+        drop(raw_files())
         for i in range(len(objects)):
             fd = os.open(raw_dir / f"{i}.bin", os.O_RDONLY | flags)
             try:
@@ -143,7 +135,7 @@ def bench_l2(objects, workdir: Path, odirect: bool, repeats: int) -> dict[str, f
                 os.close(fd)
 
     def tier_get():
-        drop_cache(tier_files())
+        drop(tier_files())
         for key, _ in objects:
             assert tier[0].get_into(key, lambda n: memoryview(dest)[:n]) is not None
 

@@ -145,12 +145,15 @@ class TieredStore:
     def acquire(self, keys: Sequence[bytes], checksum: bool = False) -> list[Lease]:
         """Whole objects for the longest contiguous cached prefix of ``keys``, promoting
         lower-tier hits into L1. Hand the list back to ``release`` when done."""
-        leases = []
-        for key in keys:
+        leases, read_ahead = [], bool(self.lower)
+        for i, key in enumerate(keys):
             lease = self.l1.lease(key)
             if lease is not None:
                 self._seen(key, committed=False)
             else:
+                if read_ahead:  # the first promotion: what follows is likely below L1 too
+                    self._read_ahead(keys[i:])
+                    read_ahead = False
                 lease = self._promote(key)
             if lease is None:
                 break
@@ -332,6 +335,13 @@ class TieredStore:
             log.exception("%s: get failed", tier.name)
             tier.stats.errors += 1
             return None
+
+    def _read_ahead(self, keys: Sequence[bytes]) -> None:
+        for tier in self.lower:
+            try:
+                tier.read_ahead(keys)
+            except Exception:
+                log.exception("%s: read ahead failed", tier.name)
 
     def _put(self, tier: Tier, key: bytes, data: memoryview, record: bytes, tenant: str) -> bool:
         try:

@@ -14,7 +14,8 @@ from kvtier.objects import HEADER_SIZE, check_object
 from kvtier.tiers.arena import ALIGNMENT, align_up
 from kvtier.tiers.disk import LOCK_NAME, DiskTier
 from kvtier_testing.another_user import is_root, run_as_nobody, shared_folder
-from kvtier_testing.tier_objects import key, obj, plant, size
+from kvtier_testing.page_cache import cached, drop
+from kvtier_testing.tier_objects import key, obj, plant, size, wait_until
 
 LOGGER = "kvtier.tiers.disk"
 
@@ -57,6 +58,19 @@ def test_delete_and_clear_remove_files(tier):
     assert tier.clear() == 3
     assert files_on_disk(tier.path) == {} and tier.usage().used_bytes == 0 and tier.usage().objects == 0
 
+
+
+def test_read_ahead_reads_the_run_of_files_held_from_the_first_key(tier):
+    """The files of a batch come off the disk together, not one per ``get_into`` in turn; only
+    the run the tier holds from the first key (past a key it lacks, a read would miss anyway)."""
+    tier.put([(key(i), obj(i)) for i in (0, 1, 3)])
+    files = {i: object_file(tier.path, i) for i in (0, 1, 3)}
+    drop(files.values())
+    assert not any(cached(f) for f in files.values())
+    tier.read_ahead([key(0), key(1), key(2), key(3)])
+    wait_until(lambda: cached(files[0]) and cached(files[1]), timeout_s=10)
+    assert not cached(files[3])
+    assert [bytes(v) for v in tier.get([key(0), key(1)])] == [obj(0), obj(1)]
 
 
 def test_second_tier_on_the_same_directory_is_refused_until_the_first_closes(tier):

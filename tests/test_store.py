@@ -9,6 +9,8 @@ from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
 from kvtier.store import TieredStore
 from kvtier.tiers.memory import MemoryTier
+from kvtier_testing.page_cache import cached, drop
+from kvtier_testing.tier_objects import wait_until
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_size=4, dtype="float32")  # 64 B per token
 NS = Namespace(model="m", layout=LAYOUT)
@@ -191,6 +193,34 @@ def test_retrieve_from_a_start_reads_and_promotes_only_the_chunks_after_it(tmp_p
     np.testing.assert_array_equal(got, kv_of(tokens[32:]))
     assert store.stats.promotions == 2
     assert cache.lookup(NS, tokens).tiers == ["disk", "disk", "memory", "memory"]
+    store.close()
+
+
+def test_a_retrieve_from_disk_reads_its_chunks_ahead_not_one_after_another(tmp_path):
+    """When the first chunk is promoted, the disk is reading the last one's file already: the
+    chunks of a retrieve come off the disk together (``Tier.read_ahead``)."""
+    tokens = np.arange(64)
+    store, cache = only_on_disk(tmp_path, tokens)
+    files = [tmp_path / "l2" / f"{span.key.hex()}.kv" for span in cache.spans(NS, tokens)]
+    drop(files)
+    assert not any(cached(f) for f in files)
+    disk, last_file_read = store.lower[0], []
+    read = disk.get_into
+
+    def watched_read(key, allocate):
+        if not last_file_read:
+            try:
+                wait_until(lambda: cached(files[-1]), timeout_s=10)
+                last_file_read.append(True)
+            except AssertionError:  # a failure in get_into would only be a miss
+                last_file_read.append(False)
+        return read(key, allocate)
+
+    disk.get_into = watched_read
+    with cache.retrieve(NS, tokens) as r:
+        got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
+    np.testing.assert_array_equal(got, kv_of(tokens))
+    assert last_file_read == [True]
     store.close()
 
 

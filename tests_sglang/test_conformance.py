@@ -342,6 +342,25 @@ def test_a_server_that_is_gone_is_a_miss_within_the_timeout(tmp_path, request, h
         rig.close()
 
 
+def test_a_backend_through_a_server_connects_when_sglang_builds_it(tmp_path, request):
+    """The hellos and the mapping of the server's arena (0.35 s for 2 GiB) are done when SGLang
+    builds its storage backend, not on the path of its first write."""
+    rig = Rig("kvtier_server", tmp_path, request)
+
+    def hellos() -> float:
+        return sum(float(line.split()[-1]) for line in rig.server.get("/metrics").splitlines()
+                   if line.startswith('kvtier_requests_total{op="hello"}'))
+
+    backend, pools = rig.backend(PoolSpec())
+    try:
+        built = hellos()
+        assert built > 0
+        assert store(backend, pools, keys_of("first")) == [True] * PAGES
+        assert hellos() == built
+    finally:
+        rig.close()
+
+
 # -- the negative control ----------------------------------------------------------------------------
 
 

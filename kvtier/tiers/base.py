@@ -124,6 +124,10 @@ class Tier(ABC):
         dest[:] = data
         return dest
 
+    def read_ahead(self, keys: Sequence[bytes]) -> None:
+        """A hint that ``get_into`` of ``keys`` follows, one key after another: a medium whose
+        reads can overlap starts them now. The others ignore it."""
+
     @abstractmethod
     def put(
         self, items: Sequence[tuple[bytes, bytes | memoryview]], records: Sequence[bytes] = (), tenant: str = ""

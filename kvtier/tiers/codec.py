@@ -96,6 +96,9 @@ class CodecTier(Tier):
     def get_into(self, key: bytes, allocate: Callable[[int], memoryview]) -> memoryview | None:
         return self.inner.get_into(key, allocate)
 
+    def read_ahead(self, keys: Sequence[bytes]) -> None:
+        self.inner.read_ahead(keys)
+
     def delete(self, keys: Sequence[bytes]) -> int:
         return self.inner.delete(keys)
 

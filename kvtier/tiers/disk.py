@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -261,6 +262,27 @@ class DiskTier(Tier):
             if current:
                 self._book.accessed(key)
         return buf[: header.object_size]
+
+    def read_ahead(self, keys: Sequence[bytes]) -> None:
+        """Ask the kernel to read the files of the run of ``keys`` held here, from the first, into
+        the page cache now (``POSIX_FADV_WILLNEED``): the disk then reads them together, where
+        ``get_into`` one after another would wait for each file in turn (a queue depth of one).
+        Not with O_DIRECT, whose reads bypass the page cache."""
+        if self.odirect or not hasattr(os, "posix_fadvise"):
+            return
+        with self._lock:
+            held = list(itertools.takewhile(self._book.__contains__, keys))
+        for key in held:
+            try:
+                fd = os.open(self._object_path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError:
+                continue  # gone meanwhile: its get_into counts the miss
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass  # only a hint
+            finally:
+                os.close(fd)
 
     def _put_one(self, key: bytes, data: bytes | memoryview, record: bytes, tenant: str) -> bool:
         obj = self._whole_object(key, data)

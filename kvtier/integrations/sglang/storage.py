@@ -85,8 +85,10 @@ class KvtierStorage(HiCacheStorage):
     def _open_store(self):
         c = self.config
         if c.url is not None:
-            return KvtierClient(c.url, timeout_s=c.timeout_s, use_shared_memory=c.shared_memory,
-                                curve_secret_key=c.curve_secret_key, curve_server_key=c.curve_server_key)
+            client = KvtierClient(c.url, timeout_s=c.timeout_s, use_shared_memory=c.shared_memory,
+                                  curve_secret_key=c.curve_secret_key, curve_server_key=c.curve_server_key)
+            client.ping()  # the hello and the arena's mapping now, not on the first call's path (a miss if down)
+            return client
         from kvtier.build import open_shared_store
 
         return open_shared_store(c.store)  # several backends of one process (tests' TP ranks) share it
