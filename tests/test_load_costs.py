@@ -219,11 +219,10 @@ class RecordingCosts:
     def __init__(self) -> None:
         self.loads, self.steps = [], []
 
-    def observe_load(self, sample, now):
-        self.loads.append(sample)
-
-    def observe_step(self, tokens, position_sum, seconds, now):
-        self.steps.append((tokens, position_sum, seconds))
+    def post(self, samples, step, now):
+        self.loads.extend(samples)
+        if step is not None:
+            self.steps.append(step)
 
 
 def test_steps_that_prefill_are_timed_until_the_workers_report_them():

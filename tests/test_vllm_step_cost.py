@@ -132,6 +132,35 @@ def test_every_figure_a_step_moves_reaches_vllms_stats(steps):
     assert {k: pytest.approx(v) for k, v in expected.items()} == {k: v for k, v in sent.items() if v}
 
 
+def test_no_load_cost_fit_runs_on_the_engines_thread(monkeypatch):
+    """The load-or-recompute fits (kvtier/paged/load_costs.py) are fed and refitted on a thread
+    of their own: a lookup reads the last estimates, it never refits (0.5-1.7 ms on the lookup of
+    one hit in three, bench/step_cost.py), and a report never adds a sample on the engine's thread."""
+    import threading
+
+    from kvtier.paged.load_costs import REFIT_SAMPLES, RobustFit
+
+    fitted_in, added_in = [], []
+    real_fit, real_add = RobustFit._robust_fit, RobustFit.add
+    monkeypatch.setattr(RobustFit, "_robust_fit", lambda fit: fitted_in.append(threading.current_thread()) or real_fit(fit))
+    monkeypatch.setattr(RobustFit, "add", lambda fit, *a: added_in.append(threading.current_thread()) or real_add(fit, *a))
+    steps = Steps(num_blocks=512, **{"kvtier.load_or_recompute": True})
+    try:
+        for i in range(2 * REFIT_SAMPLES):  # each round a prefill step (timed) and a hit (a load's sample)
+            doc = _tokens(300 + i, 4 * CHUNK)
+            steps.admit(f"fill{i}", doc)
+            steps.run()
+            assert steps.admit(f"hit{i}", doc + _tokens(400 + i, 8)) == 4 * CHUNK
+            steps.run()
+        assert threading.main_thread() not in added_in + fitted_in, "a fit ran on the engine's thread"
+        assert steps.scheduler.costs.flush()
+        figures = steps.scheduler.figures()["load_costs"]
+    finally:
+        steps.close()
+    assert len(added_in) >= 2 * REFIT_SAMPLES and fitted_in and threading.main_thread() not in added_in + fitted_in
+    assert figures["prefill"] is not None and figures["tiers"], figures
+
+
 @pytest.mark.parametrize("as_ints", [False, True])
 def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypatch, as_ints):
     """The records of a save read vLLM's hash setting once a call, not once a block (each read

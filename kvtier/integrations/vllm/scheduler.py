@@ -114,7 +114,8 @@ class KvtierScheduler:
         self._save_plan = SavePlanner(engine, self._saves, self.stats, self._records)
         self._chunk_warned = False
         self._tenant_warned = False
-        self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
+        self.costs = (LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s, background=True)
+                      if config.load_or_recompute and config.load else None)  # fitted off the engine's thread
         self._steps = StepTimer(self.costs) if self.costs is not None else None
         gates = [
             LoadFailed(self.stats),
@@ -368,6 +369,8 @@ class KvtierScheduler:
         return self._interval.take(totals(self.stats.as_dict()))
 
     def shutdown(self) -> None:
+        if self.costs is not None:
+            self.costs.close()
         close_cache(self.cache)
 
 
