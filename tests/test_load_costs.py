@@ -17,6 +17,7 @@ from kvtier.integrations.vllm.common import KvtierWorkerMetadata
 from kvtier.integrations.vllm.config import parse_extra_config
 from kvtier.paged.jobs import LoadSample
 from kvtier.paged.load_costs import MAX_SAMPLES, REFIT_SAMPLES, LoadOrRecompute, RobustFit, StepTimer
+from kvtier.paged.load_costs import positions as steps_positions
 
 CHUNK = 256
 #: the engine's prefill: 2 ms a step, 20 us a token, 2 ns per token of context it attends to
@@ -228,8 +229,7 @@ class RecordingCosts:
 def test_steps_that_prefill_are_timed_until_the_workers_report_them():
     costs = RecordingCosts()
     timer = StepTimer(costs)
-    assert timer.start([(100, 1), (7, 1)]) == 0  # decode steps only: not timed
-    step = timer.start([(0, 3), (50, 1)])  # positions 0+1+2 and 50
+    step = timer.start(4, steps_positions([0, 50], [3, 1]))  # positions 0+1+2 and 50
     assert step == 1
     sample = LoadSample("memory", 64, 1024, 0.01)
     timer.report(0, 0.0, [sample])  # a report of no timed step still carries the loads' samples
@@ -240,10 +240,17 @@ def test_steps_that_prefill_are_timed_until_the_workers_report_them():
     assert len(costs.steps) == 1
 
 
+@settings(deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(1, 1 << 12)), max_size=100))
+def test_a_steps_position_sum_is_every_tokens_position(requests):
+    assert steps_positions([s for s, _ in requests], [n for _, n in requests]) == sum(
+        p for start, n in requests for p in range(start, start + n))
+
+
 def test_a_step_whose_report_never_comes_is_forgotten():
     costs = RecordingCosts()
     timer = StepTimer(costs)
-    steps = [timer.start([(0, 2)]) for _ in range(StepTimer.MAX_TIMED + 2)]
+    steps = [timer.start(2, 1) for _ in range(StepTimer.MAX_TIMED + 2)]
     timer.report(steps[0], 0.0, [])
     timer.report(steps[-1], 0.0, [])
     assert len(costs.steps) == 1  # the oldest went

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import queue
 import threading
 import time
@@ -547,6 +548,13 @@ def _load_seconds(reads: dict[str, Callable[[int], float] | None], tokens_by_tie
     return total
 
 
+def positions(starts: Sequence[int], counts: Sequence[int]) -> int:
+    """The sum of the positions of the tokens of a step whose request i computes ``counts[i]``
+    tokens from position ``starts[i]``: sum(n * start + n * (n - 1) / 2), summed in C (a step of
+    a prefill among hundreds of decodes walks them all)."""
+    return sum(map(operator.mul, counts, starts)) + (sum(map(operator.mul, counts, counts)) - sum(counts)) // 2
+
+
 class StepTimer:
     """The samples of ``LoadOrRecompute`` as the scheduler side gets them: each step that
     prefills is timed from its plan to the workers' report of it (its id goes to the workers in
@@ -561,17 +569,9 @@ class StepTimer:
         self._last_step = 0
         self._timed: dict[int, tuple[float, int, int]] = {}  # step -> (planned at, tokens, position sum)
 
-    def start(self, scheduled: Iterable[tuple[int, int]]) -> int:
-        """A step id for the workers to report back if the step prefills, else 0. ``scheduled``:
-        per request, (its first position in the step, its tokens scheduled)."""
-        tokens = position_sum = 0
-        prefills = False
-        for start, n in scheduled:
-            tokens += n
-            position_sum += n * start + n * (n - 1) // 2
-            prefills |= n > 1
-        if not prefills:
-            return 0
+    def start(self, tokens: int, position_sum: int) -> int:
+        """A step id for the workers to report back of a step that prefills ``tokens`` tokens,
+        ``position_sum`` the sum of their positions (``positions``)."""
         if len(self._timed) > self.MAX_TIMED:
             self._timed.pop(next(iter(self._timed)))
         step = self._last_step = self._last_step + 1

@@ -60,7 +60,7 @@ from kvtier.keys import ChunkSpan
 from kvtier.paged.hits import tokens_by_tier
 from kvtier.paged.jobs import LoadJob, ReqId, SaveJob, probe_job
 from kvtier.paged.layout import EngineLayout, pages
-from kvtier.paged.load_costs import LoadOrRecompute, StepTimer
+from kvtier.paged.load_costs import LoadOrRecompute, StepTimer, positions
 from kvtier.paged.lookups import PromptLookup
 from kvtier.paged.planner import (
     Found, InFlightDedup, LoadFailed, Planner, PrefillWait, RepeatedAsk, RequestState, SavesInFlight,
@@ -293,12 +293,13 @@ class KvtierScheduler:
     def _time_step(self, scheduler_output: "SchedulerOutput") -> int:
         """A step id for the workers to report back if the step prefills (kvtier/paged/load_costs.py), else 0."""
         scheduled = scheduler_output.num_scheduled_tokens
-        if self._steps is None or scheduler_output.total_num_scheduled_tokens <= len(scheduled):
+        tokens = scheduler_output.total_num_scheduled_tokens
+        if self._steps is None or tokens <= len(scheduled):
             return 0  # a token a request at most: no prefill, nothing to walk
-        cached = scheduler_output.scheduled_cached_reqs
-        starts = itertools.chain(((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs),
-                                 zip(cached.req_ids, cached.num_computed_tokens))
-        return self._steps.start((start, scheduled.get(req_id, 0)) for req_id, start in starts)
+        new, cached = scheduler_output.scheduled_new_reqs, scheduler_output.scheduled_cached_reqs
+        starts = [*(r.num_computed_tokens for r in new), *cached.num_computed_tokens]
+        counts = [*(scheduled.get(r.req_id, 0) for r in new), *map(scheduled.get, cached.req_ids, itertools.repeat(0))]
+        return self._steps.start(tokens, positions(starts, counts))
 
     # -- completions -----------------------------------------------------------------------------
 
