@@ -150,7 +150,7 @@ def test_no_load_cost_fit_runs_on_the_engines_thread(monkeypatch):
             doc = _tokens(300 + i, 4 * CHUNK)
             steps.admit(f"fill{i}", doc)
             steps.run()
-            assert steps.admit(f"hit{i}", doc + _tokens(400 + i, 8)) == 4 * CHUNK
+            steps.admit(f"hit{i}", doc + _tokens(400 + i, 8))  # loaded until the estimates say computing is faster
             steps.run()
         assert threading.main_thread() not in added_in + fitted_in, "a fit ran on the engine's thread"
         assert steps.scheduler.costs.flush()
@@ -161,10 +161,11 @@ def test_no_load_cost_fit_runs_on_the_engines_thread(monkeypatch):
     assert figures["prefill"] is not None and figures["tiers"], figures
 
 
-@pytest.mark.parametrize("as_ints", [False, True])
-def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypatch, as_ints):
+@pytest.mark.parametrize("as_ints, hash_bytes", [(False, 32), (True, 32), (True, 8), (True, 12)])
+def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypatch, as_ints, hash_bytes):
     """The records of a save read vLLM's hash setting once a call, not once a block (each read
-    looks into the environment), and still give the hashes vLLM's own events give."""
+    looks into the environment), and still give the hashes vLLM's own events give, whatever
+    the hashes' length (vLLM's hash functions give 32 or 8 bytes; 12: the fallback)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from kvtier.events import decode_record
@@ -182,15 +183,19 @@ def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypat
         return read_setting(name)
 
     monkeypatch.setattr(vllm.envs, "__getattr__", counted)
-    hashes = [bytes([i]) * 32 for i in range(1, 9)]
+    rng = random.Random(hash_bytes)
+    hashes = [rng.randbytes(hash_bytes) for _ in range(12)]
     request = SimpleNamespace(block_hashes=hashes, mm_features=[], lora_request=None, cache_salt=None, prompt_embeds=None)
-    tokens = _tokens(7, 8 * 4)
+    tokens = _tokens(7, 12 * 4)
     spans = [ChunkSpan(b"k1", 0, 16), ChunkSpan(b"k2", 16, 32)]
     records = {span: decode_record(data) for span, data in block_records(request, tokens, spans, 4, "m", 0).items()}
     assert reads["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == 1
     assert records[(16, 32)].block_hashes == [maybe_convert_block_hash(h) for h in hashes[4:8]]
     assert records[(16, 32)].parent_block_hash == maybe_convert_block_hash(hashes[3])
     assert records[(0, 16)].parent_block_hash is None and records[(0, 16)].token_ids == tokens[:16]
+    late = decode_record(block_records(request, tokens, [ChunkSpan(b"k3", 32, 48)], 4, "m", 0)[(32, 48)])
+    assert late.block_hashes == [maybe_convert_block_hash(h) for h in hashes[8:12]]
+    assert late.parent_block_hash == maybe_convert_block_hash(hashes[7])
     assert all(isinstance(h, int) == as_ints for r in records.values() for h in r.block_hashes)
 
 
