@@ -85,6 +85,23 @@ def test_a_cut_reads_each_fit_once_however_many_chunks_the_hit_has(monkeypatch):
     assert len(reads) == short_reads <= 6
 
 
+def test_a_hit_whose_tiers_are_all_never_cut_is_loaded_without_weighing_its_chunks(monkeypatch):
+    """L1's hits, the common case: every tier of the hit reads ``SAFE_RATIO`` times faster than
+    the prefill, so no cut can come before its end and no chunk is weighed (a 4096-token hit's
+    cut weighed 16 ends on the lookup's path); a slower tier in the hit is weighed as before."""
+    import kvtier.paged.load_costs as module
+
+    costs = measured({"L1": (1e-5, 1e-9), "redis": (0.05, 2e-4)})
+    assert costs.never_cut("L1") and not costs.never_cut("redis")
+    weighed = []
+    real = module._load_seconds
+    monkeypatch.setattr(module, "_load_seconds", lambda *args: weighed.append(1) or real(*args))
+    assert costs.cut(["L1"] * 16, CHUNK, CHUNK, 16 * CHUNK, now=1.0).end == 16 * CHUNK
+    assert not weighed
+    assert costs.cut(["L1"] * 8 + ["redis"] * 8, CHUNK, 0, 16 * CHUNK, now=1.0).end == 8 * CHUNK
+    assert weighed
+
+
 def test_fit_holds_only_the_newest_samples():
     """The samples are a ring of MAX_SAMPLES rows: once that many newer ones came, an old cost
     model leaves no trace (were any of its rows kept, the fit would not be exact)."""

@@ -476,11 +476,15 @@ class LoadOrRecompute:
         tier's rest to load)."""
         if hit <= start:
             return Cut(hit)
+        estimates = self.estimates()
+        held = set(tiers[start // chunk : -(-hit // chunk)])
+        if all(estimates.never_cut(tier) for tier in held):  # nothing to weigh: loaded whole (L1's hits)
+            self._note_changes(held, set())
+            return Cut(hit)
         ends = list(range((start // chunk + 1) * chunk, hit, chunk)) + [hit]
         starts = [start] + ends[:-1]
         chunk_tiers = [tiers[s // chunk] for s in starts]
         best, loading, candidates = start, {}, []
-        estimates = self.estimates()
         compute = estimates.compute
         reads = {tier: estimate.read if (estimate := estimates.tiers.get(tier)) is not None else None
                  for tier in set(chunk_tiers)}
