@@ -191,7 +191,8 @@ class KvtierScheduler:
         if known is None or not num_external_tokens:
             return []
         chunk = self.chunk_size() or self.block_size
-        return list(tokens_by_tier(known.tiers, chunk, known.num_computed, known.num_computed + num_external_tokens))
+        start, end = known.num_computed, known.num_computed + num_external_tokens
+        return list(dict.fromkeys(known.tiers[start // chunk : (end - 1) // chunk + 1]))  # each once, in order
 
     # -- allocation and the step's metadata ------------------------------------------------------
 
