@@ -184,9 +184,9 @@ def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypat
 
     monkeypatch.setattr(vllm.envs, "__getattr__", counted)
     rng = random.Random(hash_bytes)
-    hashes = [rng.randbytes(hash_bytes) for _ in range(12)]
+    hashes = [rng.randbytes(hash_bytes) for _ in range(40)]
     request = SimpleNamespace(block_hashes=hashes, mm_features=[], lora_request=None, cache_salt=None, prompt_embeds=None)
-    tokens = _tokens(7, 12 * 4)
+    tokens = _tokens(7, 40 * 4)
     spans = [ChunkSpan(b"k1", 0, 16), ChunkSpan(b"k2", 16, 32)]
     records = {span: decode_record(data) for span, data in block_records(request, tokens, spans, 4, "m", 0).items()}
     assert reads["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == 1
@@ -196,6 +196,9 @@ def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypat
     late = decode_record(block_records(request, tokens, [ChunkSpan(b"k3", 32, 48)], 4, "m", 0)[(32, 48)])
     assert late.block_hashes == [maybe_convert_block_hash(h) for h in hashes[8:12]]
     assert late.parent_block_hash == maybe_convert_block_hash(hashes[7])
+    wide = decode_record(block_records(request, tokens, [ChunkSpan(b"k4", 32, 160)], 4, "m", 0)[(32, 160)])  # 33 at once
+    assert wide.block_hashes == [maybe_convert_block_hash(h) for h in hashes[8:40]]
+    assert wide.parent_block_hash == maybe_convert_block_hash(hashes[7])
     assert all(isinstance(h, int) == as_ints for r in records.values() for h in r.block_hashes)
 
 

@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 def _as_ints(block_hashes: Sequence[bytes]) -> list[int]:
     """``maybe_convert_block_hash`` of vLLM with its setting on, of many hashes at once and
     without reading the setting again (tests/test_vllm_step_cost.py holds the two equal): a
-    hash's low 64 bits read big-endian are its last 8 bytes, read for hashes of one length
-    (vLLM's) in one numpy pass, not one Python int a block."""
-    lengths = set(map(len, block_hashes))
+    hash's low 64 bits read big-endian are its last 8 bytes, read for many hashes of one length
+    (vLLM's) in one numpy pass, not one Python int a block (a few: one by one, cheaper than the pass)."""
+    lengths = set(map(len, block_hashes)) if len(block_hashes) >= _NUMPY_HASHES else ()
     if len(lengths) == 1 and (length := lengths.pop()) % 8 == 0:
         words = np.frombuffer(b"".join(block_hashes), dtype=">u8").reshape(-1, length // 8)
         return words[:, -1].tolist()
@@ -45,6 +45,8 @@ def _as_ints(block_hashes: Sequence[bytes]) -> list[int]:
 
 
 _LOW_64_BITS = (1 << 64) - 1
+#: From this many hashes on, one numpy pass converts them faster than one int each.
+_NUMPY_HASHES = 16
 
 
 def block_records(
