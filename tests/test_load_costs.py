@@ -102,6 +102,31 @@ def test_a_hit_whose_tiers_are_all_never_cut_is_loaded_without_weighing_its_chun
     assert weighed
 
 
+def test_fits_on_their_own_thread_publish_what_the_callers_thread_would_fit(caplog):
+    """With a thread (the scheduler side's), ``post`` hands the measurements over and a cut reads
+    the estimates the thread published: the same as fitting them in the caller's thread. A report
+    that cannot be fitted is logged and the thread goes on with the next."""
+    here, there = LoadOrRecompute(60.0, 30.0), LoadOrRecompute(60.0, 30.0, background=True)
+    try:
+        assert there.cut(["L1"] * 4, CHUNK, 0, 4 * CHUNK, now=0.0).end == 4 * CHUNK  # nothing published yet: load
+        with caplog.at_level(logging.ERROR, logger="vllm.kvtier.paged.load_costs"):
+            there.post([None], None, 0.0)  # a sample that is none
+            assert there.flush()
+        assert "could not be made again" in caplog.text
+        for i, (start, n) in enumerate([(0, 0), (0, 4096), (4096, 4096), (0, 1024), (8192, 256), (2048, 512)]):
+            position_sum = n * start + n * (n - 1) // 2
+            step = (n, position_sum, step_seconds(n, position_sum))
+            samples = [LoadSample("redis", CHUNK * (i + 1), 1024, 0.05 + 2e-4 * CHUNK * (i + 1))]
+            for costs in (here, there):
+                costs.post(samples, step, 1.0)
+        assert there.flush()
+        assert there.figures() == here.figures() and there.figures()["prefill"] is not None
+        assert there.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=2.0) == here.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=2.0)
+    finally:
+        there.close()
+    assert not there._thread.is_alive()
+
+
 def test_fit_holds_only_the_newest_samples():
     """The samples are a ring of MAX_SAMPLES rows: once that many newer ones came, an old cost
     model leaves no trace (were any of its rows kept, the fit would not be exact)."""

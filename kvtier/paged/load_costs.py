@@ -369,15 +369,14 @@ class LoadOrRecompute:
             posted = [self._inbox.get()]
             while not self._inbox.empty():
                 posted.append(self._inbox.get())
-            for item in posted:
-                if isinstance(item, threading.Event):
-                    continue
-                if item is None:
-                    return
-                self._observe(*item)
             try:
+                for item in posted:
+                    if item is None:
+                        return
+                    if not isinstance(item, threading.Event):
+                        self._observe(*item)
                 self._estimates = self._made()
-            except Exception:  # a fit that fails keeps the last estimates; the engine goes on
+            except Exception:  # a report that cannot be fitted keeps the last estimates; the engine goes on
                 log.exception("kvtier: the load-or-recompute estimates could not be made again")
             for item in posted:
                 if isinstance(item, threading.Event):
@@ -397,6 +396,7 @@ class LoadOrRecompute:
             self._thread.join(5.0)
 
     def observe_load(self, sample: LoadSample, now: float) -> None:
+        """A load's retrieves from one tier (with a thread, called by the thread only: ``post``)."""
         self._probing.pop(sample.tier, None)
         tier = self.tiers.get(sample.tier)
         if tier is None:
