@@ -100,7 +100,8 @@ def canonical_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         raise ValueError(f"tokens must be one-dimensional, got shape {tokens.shape}")
     if tokens.size and tokens.dtype.kind not in "iu":
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFFFFFF):
+    fits = tokens.dtype.kind == "u" and tokens.dtype.itemsize <= 4  # every value does: no pass over them
+    if tokens.size and not fits and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFFFFFF):
         raise ValueError("token ids must be in [0, 2**32)")
     return tokens.astype("<u4", copy=False)
 

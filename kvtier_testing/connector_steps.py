@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from kvtier.integrations.vllm.config import parse_extra_config
-from kvtier.integrations.vllm.keystores import close_cache
 from kvtier.integrations.vllm.scheduler import KvtierScheduler
 from kvtier.integrations.vllm.worker import KvtierWorker
 from kvtier.keys import ChunkSpan, prefix_keys
@@ -164,4 +163,4 @@ class Steps:
 
     def close(self) -> None:
         self.worker.shutdown()
-        close_cache(self.scheduler.cache)
+        self.scheduler.shutdown()

@@ -17,6 +17,7 @@ from kvtier.integrations.vllm.common import KvtierWorkerMetadata
 from kvtier.integrations.vllm.config import parse_extra_config
 from kvtier.paged.jobs import LoadSample
 from kvtier.paged.load_costs import MAX_SAMPLES, REFIT_SAMPLES, LoadOrRecompute, RobustFit, StepTimer
+from kvtier.paged.load_costs import positions as steps_positions
 
 CHUNK = 256
 #: the engine's prefill: 2 ms a step, 20 us a token, 2 ns per token of context it attends to
@@ -82,6 +83,48 @@ def test_a_cut_reads_each_fit_once_however_many_chunks_the_hit_has(monkeypatch):
     long = costs.cut(["L1"] * 8 + ["redis"] * 8, CHUNK, 0, 16 * CHUNK, now=1.0)
     assert (short.end, long.end) == (2 * CHUNK, 8 * CHUNK)  # the slow tier's chunks computed
     assert len(reads) == short_reads <= 6
+
+
+def test_a_hit_whose_tiers_are_all_never_cut_is_loaded_without_weighing_its_chunks(monkeypatch):
+    """L1's hits, the common case: every tier of the hit reads ``SAFE_RATIO`` times faster than
+    the prefill, so no cut can come before its end and no chunk is weighed (a 4096-token hit's
+    cut weighed 16 ends on the lookup's path); a slower tier in the hit is weighed as before."""
+    import kvtier.paged.load_costs as module
+
+    costs = measured({"L1": (1e-5, 1e-9), "redis": (0.05, 2e-4)})
+    assert costs.never_cut("L1") and not costs.never_cut("redis")
+    weighed = []
+    real = module._load_seconds
+    monkeypatch.setattr(module, "_load_seconds", lambda *args: weighed.append(1) or real(*args))
+    assert costs.cut(["L1"] * 16, CHUNK, CHUNK, 16 * CHUNK, now=1.0).end == 16 * CHUNK
+    assert not weighed
+    assert costs.cut(["L1"] * 8 + ["redis"] * 8, CHUNK, 0, 16 * CHUNK, now=1.0).end == 8 * CHUNK
+    assert weighed
+
+
+def test_fits_on_their_own_thread_publish_what_the_callers_thread_would_fit(caplog):
+    """With a thread (the scheduler side's), ``post`` hands the measurements over and a cut reads
+    the estimates the thread published: the same as fitting them in the caller's thread. A report
+    that cannot be fitted is logged and the thread goes on with the next."""
+    here, there = LoadOrRecompute(60.0, 30.0), LoadOrRecompute(60.0, 30.0, background=True)
+    try:
+        assert there.cut(["L1"] * 4, CHUNK, 0, 4 * CHUNK, now=0.0).end == 4 * CHUNK  # nothing published yet: load
+        with caplog.at_level(logging.ERROR, logger="vllm.kvtier.paged.load_costs"):
+            there.post([None], None, 0.0)  # a sample that is none
+            assert there.flush()
+        assert "could not be made again" in caplog.text
+        for i, (start, n) in enumerate([(0, 0), (0, 4096), (4096, 4096), (0, 1024), (8192, 256), (2048, 512)]):
+            position_sum = n * start + n * (n - 1) // 2
+            step = (n, position_sum, step_seconds(n, position_sum))
+            samples = [LoadSample("redis", CHUNK * (i + 1), 1024, 0.05 + 2e-4 * CHUNK * (i + 1))]
+            for costs in (here, there):
+                costs.post(samples, step, 1.0)
+        assert there.flush()
+        assert there.figures() == here.figures() and there.figures()["prefill"] is not None
+        assert there.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=2.0) == here.cut(["redis"] * 8, CHUNK, 0, 8 * CHUNK, now=2.0)
+    finally:
+        there.close()
+    assert not there._thread.is_alive()
 
 
 def test_fit_holds_only_the_newest_samples():
@@ -219,18 +262,16 @@ class RecordingCosts:
     def __init__(self) -> None:
         self.loads, self.steps = [], []
 
-    def observe_load(self, sample, now):
-        self.loads.append(sample)
-
-    def observe_step(self, tokens, position_sum, seconds, now):
-        self.steps.append((tokens, position_sum, seconds))
+    def post(self, samples, step, now):
+        self.loads.extend(samples)
+        if step is not None:
+            self.steps.append(step)
 
 
 def test_steps_that_prefill_are_timed_until_the_workers_report_them():
     costs = RecordingCosts()
     timer = StepTimer(costs)
-    assert timer.start([(100, 1), (7, 1)]) == 0  # decode steps only: not timed
-    step = timer.start([(0, 3), (50, 1)])  # positions 0+1+2 and 50
+    step = timer.start(4, steps_positions([0, 50], [3, 1]))  # positions 0+1+2 and 50
     assert step == 1
     sample = LoadSample("memory", 64, 1024, 0.01)
     timer.report(0, 0.0, [sample])  # a report of no timed step still carries the loads' samples
@@ -241,10 +282,17 @@ def test_steps_that_prefill_are_timed_until_the_workers_report_them():
     assert len(costs.steps) == 1
 
 
+@settings(deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(1, 1 << 12)), max_size=100))
+def test_a_steps_position_sum_is_every_tokens_position(requests):
+    assert steps_positions([s for s, _ in requests], [n for _, n in requests]) == sum(
+        p for start, n in requests for p in range(start, start + n))
+
+
 def test_a_step_whose_report_never_comes_is_forgotten():
     costs = RecordingCosts()
     timer = StepTimer(costs)
-    steps = [timer.start([(0, 2)]) for _ in range(StepTimer.MAX_TIMED + 2)]
+    steps = [timer.start(2, 1) for _ in range(StepTimer.MAX_TIMED + 2)]
     timer.report(steps[0], 0.0, [])
     timer.report(steps[-1], 0.0, [])
     assert len(costs.steps) == 1  # the oldest went

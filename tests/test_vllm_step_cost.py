@@ -132,10 +132,40 @@ def test_every_figure_a_step_moves_reaches_vllms_stats(steps):
     assert {k: pytest.approx(v) for k, v in expected.items()} == {k: v for k, v in sent.items() if v}
 
 
-@pytest.mark.parametrize("as_ints", [False, True])
-def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypatch, as_ints):
+def test_no_load_cost_fit_runs_on_the_engines_thread(monkeypatch):
+    """The load-or-recompute fits (kvtier/paged/load_costs.py) are fed and refitted on a thread
+    of their own: a lookup reads the last estimates, it never refits (0.5-1.7 ms on the lookup of
+    one hit in three, bench/step_cost.py), and a report never adds a sample on the engine's thread."""
+    import threading
+
+    from kvtier.paged.load_costs import REFIT_SAMPLES, RobustFit
+
+    fitted_in, added_in = [], []
+    real_fit, real_add = RobustFit._robust_fit, RobustFit.add
+    monkeypatch.setattr(RobustFit, "_robust_fit", lambda fit: fitted_in.append(threading.current_thread()) or real_fit(fit))
+    monkeypatch.setattr(RobustFit, "add", lambda fit, *a: added_in.append(threading.current_thread()) or real_add(fit, *a))
+    steps = Steps(num_blocks=512, **{"kvtier.load_or_recompute": True})
+    try:
+        for i in range(2 * REFIT_SAMPLES):  # each round a prefill step (timed) and a hit (a load's sample)
+            doc = _tokens(300 + i, 4 * CHUNK)
+            steps.admit(f"fill{i}", doc)
+            steps.run()
+            steps.admit(f"hit{i}", doc + _tokens(400 + i, 8))  # loaded until the estimates say computing is faster
+            steps.run()
+        assert threading.main_thread() not in added_in + fitted_in, "a fit ran on the engine's thread"
+        assert steps.scheduler.costs.flush()
+        figures = steps.scheduler.figures()["load_costs"]
+    finally:
+        steps.close()
+    assert len(added_in) >= 2 * REFIT_SAMPLES and fitted_in and threading.main_thread() not in added_in + fitted_in
+    assert figures["prefill"] is not None and figures["tiers"], figures
+
+
+@pytest.mark.parametrize("as_ints, hash_bytes", [(False, 32), (True, 32), (True, 8), (True, 12)])
+def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypatch, as_ints, hash_bytes):
     """The records of a save read vLLM's hash setting once a call, not once a block (each read
-    looks into the environment), and still give the hashes vLLM's own events give."""
+    looks into the environment), and still give the hashes vLLM's own events give, whatever
+    the hashes' length (vLLM's hash functions give 32 or 8 bytes; 12: the fallback)."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from kvtier.events import decode_record
@@ -153,15 +183,22 @@ def test_block_records_carry_vllms_hashes_as_its_setting_converts_them(monkeypat
         return read_setting(name)
 
     monkeypatch.setattr(vllm.envs, "__getattr__", counted)
-    hashes = [bytes([i]) * 32 for i in range(1, 9)]
+    rng = random.Random(hash_bytes)
+    hashes = [rng.randbytes(hash_bytes) for _ in range(40)]
     request = SimpleNamespace(block_hashes=hashes, mm_features=[], lora_request=None, cache_salt=None, prompt_embeds=None)
-    tokens = _tokens(7, 8 * 4)
+    tokens = _tokens(7, 40 * 4)
     spans = [ChunkSpan(b"k1", 0, 16), ChunkSpan(b"k2", 16, 32)]
     records = {span: decode_record(data) for span, data in block_records(request, tokens, spans, 4, "m", 0).items()}
     assert reads["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == 1
     assert records[(16, 32)].block_hashes == [maybe_convert_block_hash(h) for h in hashes[4:8]]
     assert records[(16, 32)].parent_block_hash == maybe_convert_block_hash(hashes[3])
     assert records[(0, 16)].parent_block_hash is None and records[(0, 16)].token_ids == tokens[:16]
+    late = decode_record(block_records(request, tokens, [ChunkSpan(b"k3", 32, 48)], 4, "m", 0)[(32, 48)])
+    assert late.block_hashes == [maybe_convert_block_hash(h) for h in hashes[8:12]]
+    assert late.parent_block_hash == maybe_convert_block_hash(hashes[7])
+    wide = decode_record(block_records(request, tokens, [ChunkSpan(b"k4", 32, 160)], 4, "m", 0)[(32, 160)])  # 33 at once
+    assert wide.block_hashes == [maybe_convert_block_hash(h) for h in hashes[8:40]]
+    assert wide.parent_block_hash == maybe_convert_block_hash(hashes[7])
     assert all(isinstance(h, int) == as_ints for r in records.values() for h in r.block_hashes)
 
 

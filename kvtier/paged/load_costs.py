@@ -46,6 +46,9 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
+import queue
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -284,10 +287,47 @@ class Cut:
     probe: tuple[str, int] | None = None
 
 
-class LoadOrRecompute:
-    """The estimates of one engine's connector (scheduler side) and the cut they give."""
+@dataclass(frozen=True)
+class TierEstimate:
+    """A tier's figures as of the last refit: ``TierCost.estimate``, its measured rate, its last sample."""
 
-    def __init__(self, half_life_s: float, probe_s: float) -> None:
+    read: Callable[[int], float] | None
+    rate: float | None
+    last: float
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """Every fit's figures as of one refit, made where the fits are fed (``LoadOrRecompute.post``):
+    all a cut reads, so that a lookup computes no fit."""
+
+    compute: Callable[[int, int], float] | None  # ``LoadOrRecompute.compute_seconds``
+    prefill_rate: float | None
+    tiers: dict[str, TierEstimate]
+    figures: dict  # ``LoadOrRecompute.figures``
+    gauges: dict  # ``LoadOrRecompute.gauges`` less the decision's own count
+
+    def never_cut(self, tier: str) -> bool:
+        """Whether the tier's measured rate is ``SAFE_RATIO`` times the prefill's or more."""
+        estimate = self.tiers.get(tier)
+        rate = estimate.rate if estimate is not None else None
+        return rate is not None and self.prefill_rate is not None and rate >= SAFE_RATIO * self.prefill_rate
+
+    def last_sample(self, tier: str) -> float:
+        estimate = self.tiers.get(tier)
+        return estimate.last if estimate is not None else math.inf  # never measured: loaded anyway
+
+
+class LoadOrRecompute:
+    """The estimates of one engine's connector (scheduler side) and the cut they give.
+
+    With ``background``, the measurements (``post``) are fitted on a thread of its own, which
+    publishes the ``Estimates`` each cut reads: a refit (a tenth of a millisecond to 1.7 ms, due
+    every ``REFIT_SAMPLES`` samples) and a sample's bookkeeping never run on the engine's thread,
+    where vLLM asks for lookups. Without, they run in the caller's thread, the estimates made
+    again at the first cut after a measurement (tests; the decision is the same)."""
+
+    def __init__(self, half_life_s: float, probe_s: float, background: bool = False) -> None:
         self.half_life_s = half_life_s
         self.probe_s = probe_s
         self.tiers: dict[str, TierCost] = {}
@@ -297,10 +337,66 @@ class LoadOrRecompute:
         self._warmed_up = False  # the engine's first prefill step seen (and left out)
         self._skipped: set[str] = set()  # tiers the last decision on them skipped
         self.decision_changes = 0  # times a tier started or stopped being skipped
+        self._estimates: Estimates | None = None  # None: made again when next read (no thread)
+        self._inbox: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._estimates = self._made()
+            self._inbox = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._fit_posted, name="kvtier-load-costs", daemon=True)
+            self._thread.start()
 
     # -- measurements --------------------------------------------------------------------------
 
+    def post(self, samples: Sequence[LoadSample], step: tuple[int, int, float] | None, now: float) -> None:
+        """A report's measurements: each load's retrieves, and the prefill step (tokens, position
+        sum, seconds) if one was timed. With a thread, handed to it (the caller pays a queue's put)."""
+        if self._inbox is not None:
+            self._inbox.put((samples, step, now))
+        else:
+            self._observe(samples, step, now)
+
+    def _observe(self, samples: Sequence[LoadSample], step: tuple[int, int, float] | None, now: float) -> None:
+        for sample in samples:
+            self.observe_load(sample, now)
+        if step is not None:
+            self.observe_step(*step, now)
+
+    def _fit_posted(self) -> None:
+        """The thread: fits what is posted, all that waits at once, then publishes the estimates."""
+        assert self._inbox is not None
+        while True:
+            posted = [self._inbox.get()]
+            while not self._inbox.empty():
+                posted.append(self._inbox.get())
+            try:
+                for item in posted:
+                    if item is None:
+                        return
+                    if not isinstance(item, threading.Event):
+                        self._observe(*item)
+                self._estimates = self._made()
+            except Exception:  # a report that cannot be fitted keeps the last estimates; the engine goes on
+                log.exception("kvtier: the load-or-recompute estimates could not be made again")
+            for item in posted:
+                if isinstance(item, threading.Event):
+                    item.set()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until what was posted before is fitted and published (tests, benchmarks)."""
+        if self._inbox is None:
+            return True
+        done = threading.Event()
+        self._inbox.put(done)
+        return done.wait(timeout)
+
+    def close(self) -> None:
+        if self._inbox is not None and self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(5.0)
+
     def observe_load(self, sample: LoadSample, now: float) -> None:
+        """A load's retrieves from one tier (with a thread, called by the thread only: ``post``)."""
         self._probing.pop(sample.tier, None)
         tier = self.tiers.get(sample.tier)
         if tier is None:
@@ -309,6 +405,8 @@ class LoadOrRecompute:
         tier.bytes = tier.bytes * decay + sample.bytes
         tier.seconds = tier.seconds * decay + sample.seconds
         tier.fit.add((1.0, sample.tokens), sample.seconds, now)
+        if self._inbox is None:
+            self._estimates = None
 
     def observe_step(self, tokens: int, position_sum: int, seconds: float, now: float) -> None:
         """A prefill step: ``tokens`` computed, ``position_sum`` the sum of their positions. The
@@ -317,29 +415,56 @@ class LoadOrRecompute:
             self._warmed_up = True
             return
         self.prefill.add((1.0, tokens, position_sum), seconds, now)
+        if self._inbox is None:
+            self._estimates = None
 
     # -- estimates -----------------------------------------------------------------------------
+
+    def estimates(self) -> Estimates:
+        """The figures a cut reads: the thread's last published, or made now where there is no thread."""
+        estimates = self._estimates
+        if estimates is None:
+            estimates = self._estimates = self._made()
+        return estimates
+
+    def _made(self) -> Estimates:
+        """The estimates of the fits as they are (each refitted where due)."""
+        prefill = self.prefill.coefficients()
+        compute = None
+        if prefill is not None and max(prefill[1:]) > 0:
+            per_token, per_position = prefill[1], prefill[2]
+            compute = lambda start, end: float(  # noqa: E731
+                per_token * (end - start) + per_position * (end * (end - 1) - start * (start - 1)) / 2)
+        prefill_rate = self.prefill.rate(1)
+        tiers = {name: TierEstimate(cost.estimate(), cost.fit.rate(1), cost.fit.last) for name, cost in self.tiers.items()}
+        partial = Estimates(compute, prefill_rate, tiers, {}, {})
+        figures = {
+            "tiers": {name: {**cost.figures(), "never_cut": partial.never_cut(name)} for name, cost in self.tiers.items()},
+            "prefill": None if prefill is None else {
+                "overhead_ms": round(prefill[0] * 1e3, 3), "us_per_token": round(prefill[1] * 1e6, 3),
+                "ns_per_token_position": round(prefill[2] * 1e9, 4), "measured_tokens_per_s": round(prefill_rate),
+                "weight": round(self.prefill.weight, 2),
+            },
+        }
+        prefill_figures = figures["prefill"] or {}
+        gauges = {
+            "prefill_us_per_token": prefill_figures.get("us_per_token"),
+            "prefill_tokens_per_s": prefill_figures.get("measured_tokens_per_s"),
+            "tier_tokens_per_s": {tier: f["measured_tokens_per_s"] for tier, f in figures["tiers"].items()
+                                  if f["measured_tokens_per_s"] is not None},
+        }
+        return Estimates(compute, prefill_rate, tiers, figures, gauges)
 
     def compute_seconds(self, start: int, end: int) -> float | None:
         """Estimated time vLLM takes to compute tokens [start, end) of a prompt within a step
         that runs anyway (its overhead not counted); None: not measured yet, or measured as free
         (no positive cost per token or per position: not a measurement)."""
-        estimate = self._compute_estimate()
-        return None if estimate is None else estimate(start, end)
-
-    def _compute_estimate(self) -> Callable[[int, int], float] | None:
-        """``compute_seconds`` with the fit's figures read once (a cut asks it for every chunk)."""
-        coef = self.prefill.coefficients()
-        if coef is None or max(coef[1:]) <= 0:
-            return None
-        per_token, per_position = coef[1], coef[2]
-        return lambda start, end: float(per_token * (end - start) + per_position * (end * (end - 1) - start * (start - 1)) / 2)
+        compute = self.estimates().compute
+        return None if compute is None else compute(start, end)
 
     def never_cut(self, tier: str) -> bool:
         """Whether the tier's measured rate is ``SAFE_RATIO`` times the prefill's or more."""
-        cost = self.tiers.get(tier)
-        rate, prefill = cost.fit.rate(1) if cost is not None else None, self.prefill.rate(1)
-        return rate is not None and prefill is not None and rate >= SAFE_RATIO * prefill
+        return self.estimates().never_cut(tier)
 
     def cut(self, tiers: Sequence[str], chunk: int, start: int, hit: int, now: float, partial: bool = True) -> Cut:
         """Where to cut a hit of ``hit`` tokens whose chunk i (from token 0) is held by
@@ -351,17 +476,23 @@ class LoadOrRecompute:
         tier's rest to load)."""
         if hit <= start:
             return Cut(hit)
+        estimates = self.estimates()
+        held = set(tiers[start // chunk : -(-hit // chunk)])
+        if all(estimates.never_cut(tier) for tier in held):  # nothing to weigh: loaded whole (L1's hits)
+            self._note_changes(held, set())
+            return Cut(hit)
         ends = list(range((start // chunk + 1) * chunk, hit, chunk)) + [hit]
         starts = [start] + ends[:-1]
         chunk_tiers = [tiers[s // chunk] for s in starts]
         best, loading, candidates = start, {}, []
-        compute = self._compute_estimate()
-        reads = {tier: cost.estimate() if (cost := self.tiers.get(tier)) is not None else None for tier in set(chunk_tiers)}
+        compute = estimates.compute
+        reads = {tier: estimate.read if (estimate := estimates.tiers.get(tier)) is not None else None
+                 for tier in set(chunk_tiers)}
         for s, e, tier in zip(starts, ends, chunk_tiers):
             loading[tier] = loading.get(tier, 0) + (e - s)
             candidates.append((e, _load_seconds(reads, loading), compute(e, hit) if compute else None))
         compute_all = compute(start, hit) if compute else None
-        kept = {tier for tier in set(chunk_tiers) if self.never_cut(tier)}
+        kept = {tier for tier in set(chunk_tiers) if estimates.never_cut(tier)}
         least = max((e for e, tier in zip(ends, chunk_tiers) if tier in kept), default=start)
         if compute_all is None or any(load is None for _, load, _ in candidates):
             best = hit  # no figure yet: load
@@ -376,7 +507,7 @@ class LoadOrRecompute:
         if best < hit:
             # the chunk past the cut comes from a tier not measured for a while: probe it there
             after = chunk_tiers[starts.index(best)]
-            stale = now - self._last_sample(after) > self.probe_s
+            stale = now - estimates.last_sample(after) > self.probe_s
             if stale and now - self._probing.get(after, -math.inf) > self.probe_s:
                 self._probing[after] = now
                 result.probe = (after, best)
@@ -399,36 +530,14 @@ class LoadOrRecompute:
         self.decision_changes += len(changed)
         self._skipped = (self._skipped - decided) | skipped
 
-    def _last_sample(self, tier: str) -> float:
-        cost = self.tiers.get(tier)
-        return cost.fit.last if cost is not None else math.inf  # never measured: loaded anyway
-
-
     def gauges(self) -> dict:
         """What vLLM's /metrics shows of the estimates (``SchedulerStats`` fields, kvtier/integrations/vllm/metrics.py):
         the prefill's cost a token, its and each tier's measured rate, and the changes of decision."""
-        figures = self.figures()
-        prefill = figures["prefill"] or {}
-        return {
-            "prefill_us_per_token": prefill.get("us_per_token"),
-            "prefill_tokens_per_s": prefill.get("measured_tokens_per_s"),
-            "tier_tokens_per_s": {tier: f["measured_tokens_per_s"] for tier, f in figures["tiers"].items()
-                                  if f["measured_tokens_per_s"] is not None},
-            "load_decision_changes": self.decision_changes,
-        }
+        return {**self.estimates().gauges, "load_decision_changes": self.decision_changes}
 
     def figures(self) -> dict:
         """The estimates, for tests, benchmarks and the log."""
-        coef = self.prefill.coefficients()
-        rate = self.prefill.rate(1)
-        return {
-            "tiers": {name: {**cost.figures(), "never_cut": self.never_cut(name)} for name, cost in self.tiers.items()},
-            "prefill": None if coef is None else {
-                "overhead_ms": round(coef[0] * 1e3, 3), "us_per_token": round(coef[1] * 1e6, 3),
-                "ns_per_token_position": round(coef[2] * 1e9, 4), "measured_tokens_per_s": round(rate),
-                "weight": round(self.prefill.weight, 2),
-            },
-        }
+        return self.estimates().figures
 
 
 def _load_seconds(reads: dict[str, Callable[[int], float] | None], tokens_by_tier: dict[str, int]) -> float | None:
@@ -441,6 +550,13 @@ def _load_seconds(reads: dict[str, Callable[[int], float] | None], tokens_by_tie
             return None
         total += read(tokens)
     return total
+
+
+def positions(starts: Sequence[int], counts: Sequence[int]) -> int:
+    """The sum of the positions of the tokens of a step whose request i computes ``counts[i]``
+    tokens from position ``starts[i]``: sum(n * start + n * (n - 1) / 2), summed in C (a step of
+    a prefill among hundreds of decodes walks them all)."""
+    return sum(map(operator.mul, counts, starts)) + (sum(map(operator.mul, counts, counts)) - sum(counts)) // 2
 
 
 class StepTimer:
@@ -457,17 +573,9 @@ class StepTimer:
         self._last_step = 0
         self._timed: dict[int, tuple[float, int, int]] = {}  # step -> (planned at, tokens, position sum)
 
-    def start(self, scheduled: Iterable[tuple[int, int]]) -> int:
-        """A step id for the workers to report back if the step prefills, else 0. ``scheduled``:
-        per request, (its first position in the step, its tokens scheduled)."""
-        tokens = position_sum = 0
-        prefills = False
-        for start, n in scheduled:
-            tokens += n
-            position_sum += n * start + n * (n - 1) // 2
-            prefills |= n > 1
-        if not prefills:
-            return 0
+    def start(self, tokens: int, position_sum: int) -> int:
+        """A step id for the workers to report back of a step that prefills ``tokens`` tokens,
+        ``position_sum`` the sum of their positions (``positions``)."""
         if len(self._timed) > self.MAX_TIMED:
             self._timed.pop(next(iter(self._timed)))
         step = self._last_step = self._last_step + 1
@@ -477,11 +585,11 @@ class StepTimer:
     def report(self, step: int, step_load_s: float, samples: Iterable[LoadSample]) -> None:
         """The workers' figures: each load's retrieves, and the wall time of the ``step`` timed
         (0: none), less ``step_load_s`` its loads took on the engine's path."""
-        now = time.monotonic()
-        for sample in samples:
-            self.costs.observe_load(sample, now)
         timed = self._timed.pop(step, None)
+        measured = None
         if timed is not None:
             planned, tokens, position_sum = timed
-            self.costs.observe_step(tokens, position_sum, time.perf_counter() - planned - step_load_s, now)
-
+            measured = (tokens, position_sum, time.perf_counter() - planned - step_load_s)
+        samples = list(samples)
+        if samples or measured is not None:
+            self.costs.post(samples, measured, time.monotonic())

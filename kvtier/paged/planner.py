@@ -262,12 +262,14 @@ class SavesInFlight:
         self.tp_size = tp_size
         self.clock = clock
         self._jobs: dict[int, _SaveInFlight] = {}
-        self._keys: Counter = Counter()
+        self._keys: dict[bytes, int] = {}  # key -> save jobs in flight that store it
         self._reports: Counter = Counter()
 
     def start(self, job_id: int, keys: list[bytes]) -> None:
         self._jobs[job_id] = _SaveInFlight(keys, self.clock() + self.hold_s)
-        self._keys.update(keys)
+        held = self._keys
+        for key in keys:
+            held[key] = held.get(key, 0) + 1
 
     def report(self, job_id: int, count: int) -> None:
         """``count`` ranks finished the job: forgotten once all have."""
@@ -298,9 +300,15 @@ class SavesInFlight:
     def _forget(self, job_id: int) -> None:
         flight = self._jobs.pop(job_id, None)
         self._reports.pop(job_id, None)
-        if flight is not None:
-            self._keys.subtract(flight.keys)
-            self._keys += Counter()  # drop zero counts
+        if flight is None:
+            return
+        held = self._keys
+        for key in flight.keys:  # a key no job holds goes (no walk over every key held)
+            count = held[key] - 1
+            if count:
+                held[key] = count
+            else:
+                del held[key]
 
 
 class InFlightDedup(Gate):

@@ -7,6 +7,7 @@ in each worker. This class only dispatches to ``scheduler.KvtierScheduler`` or
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -177,11 +178,7 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
         if not num_external_tokens:
             return {}
         tiers = self.connector_scheduler.hit_tiers(request, num_external_tokens) or [Medium.MEMORY.value]
-        # a tier id names its medium (an unknown one none), the medium its hit source (a remote one none)
-        names = (getattr(medium_of(t), "hit_source", None) for t in tiers)
-        sources = (CacheHitSource(name or CacheHitSource.EXTERNAL_UNSPECIFIED) for name in names)
-        source = CacheHitSource.outermost(sources)
-        return {source: num_external_tokens}
+        return {_hit_source(tuple(tiers)): num_external_tokens}
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -231,6 +228,15 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_worker.shutdown()
         if self.connector_scheduler is not None:
             self.connector_scheduler.shutdown()
+
+
+@functools.lru_cache(maxsize=256)
+def _hit_source(tiers: tuple[str, ...]) -> CacheHitSource:
+    """vLLM's source of a hit held by ``tiers``: its outermost. A tier id names its medium (an
+    unknown one none), the medium its hit source (a remote one none). Kept per set of tiers (a
+    handful on a host): the enums are asked once, not at every hit."""
+    names = (getattr(medium_of(t), "hit_source", None) for t in tiers)
+    return CacheHitSource.outermost(CacheHitSource(name or CacheHitSource.EXTERNAL_UNSPECIFIED) for name in names)
 
 
 def check_features(config: ConnectorConfig, engine: "EngineLayout") -> None:

@@ -60,7 +60,7 @@ from kvtier.keys import ChunkSpan
 from kvtier.paged.hits import tokens_by_tier
 from kvtier.paged.jobs import LoadJob, ReqId, SaveJob, probe_job
 from kvtier.paged.layout import EngineLayout, pages
-from kvtier.paged.load_costs import LoadOrRecompute, StepTimer
+from kvtier.paged.load_costs import LoadOrRecompute, StepTimer, positions
 from kvtier.paged.lookups import PromptLookup
 from kvtier.paged.planner import (
     Found, InFlightDedup, LoadFailed, Planner, PrefillWait, RepeatedAsk, RequestState, SavesInFlight,
@@ -114,7 +114,8 @@ class KvtierScheduler:
         self._save_plan = SavePlanner(engine, self._saves, self.stats, self._records)
         self._chunk_warned = False
         self._tenant_warned = False
-        self.costs = LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s) if config.load_or_recompute and config.load else None
+        self.costs = (LoadOrRecompute(COST_HALF_LIFE_S, config.load_probe_s, background=True)
+                      if config.load_or_recompute and config.load else None)  # fitted off the engine's thread
         self._steps = StepTimer(self.costs) if self.costs is not None else None
         gates = [
             LoadFailed(self.stats),
@@ -190,7 +191,8 @@ class KvtierScheduler:
         if known is None or not num_external_tokens:
             return []
         chunk = self.chunk_size() or self.block_size
-        return list(tokens_by_tier(known.tiers, chunk, known.num_computed, known.num_computed + num_external_tokens))
+        start, end = known.num_computed, known.num_computed + num_external_tokens
+        return list(dict.fromkeys(known.tiers[start // chunk : (end - 1) // chunk + 1]))  # each once, in order
 
     # -- allocation and the step's metadata ------------------------------------------------------
 
@@ -292,12 +294,13 @@ class KvtierScheduler:
     def _time_step(self, scheduler_output: "SchedulerOutput") -> int:
         """A step id for the workers to report back if the step prefills (kvtier/paged/load_costs.py), else 0."""
         scheduled = scheduler_output.num_scheduled_tokens
-        if self._steps is None or scheduler_output.total_num_scheduled_tokens <= len(scheduled):
+        tokens = scheduler_output.total_num_scheduled_tokens
+        if self._steps is None or tokens <= len(scheduled):
             return 0  # a token a request at most: no prefill, nothing to walk
-        cached = scheduler_output.scheduled_cached_reqs
-        starts = itertools.chain(((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs),
-                                 zip(cached.req_ids, cached.num_computed_tokens))
-        return self._steps.start((start, scheduled.get(req_id, 0)) for req_id, start in starts)
+        new, cached = scheduler_output.scheduled_new_reqs, scheduler_output.scheduled_cached_reqs
+        starts = [*(r.num_computed_tokens for r in new), *cached.num_computed_tokens]
+        counts = [*(scheduled.get(r.req_id, 0) for r in new), *map(scheduled.get, cached.req_ids, itertools.repeat(0))]
+        return self._steps.start(tokens, positions(starts, counts))
 
     # -- completions -----------------------------------------------------------------------------
 
@@ -368,6 +371,8 @@ class KvtierScheduler:
         return self._interval.take(totals(self.stats.as_dict()))
 
     def shutdown(self) -> None:
+        if self.costs is not None:
+            self.costs.close()
         close_cache(self.cache)
 
 
