@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import random
@@ -75,6 +76,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from vllm.utils.gc_utils import freeze_gc_heap
 
 import kvtier
 import kvtier_testing
@@ -649,6 +651,9 @@ def _measure(args, s: Settings, num_blocks: int, transfers: dict[str, dict | Non
     engines = {name: SteppedEngine(name, num_blocks, transfer, seed=i, forward_s=args.forward_ms / 1000)
                for i, (name, transfer) in enumerate(transfers.items())}
     contexts = {name: store_contexts(engine, s) for name, engine in engines.items()}
+    # vLLM's engine core freezes the heap it built at start-up (its EngineCore.__init__), so that the
+    # collector's passes while serving leave it alone: so does this engine, for every connector alike
+    freeze_gc_heap()
     profiler = None
     if args.profile:
         import cProfile
@@ -665,6 +670,7 @@ def _measure(args, s: Settings, num_blocks: int, transfers: dict[str, dict | Non
                 if profiler is not None:
                     profiler.disable()
     finally:
+        gc.unfreeze()
         for engine in engines.values():
             engine.close()
     if profiler is not None:
