@@ -376,20 +376,22 @@ class CacheService:
         ``AHEAD_SHARE_OF_L1`` (counting the aligned block each takes in L1): (ids, arena offsets). Each
         is reserved under a random placeholder key, which no reader asks for (and an uncommitted
         slot is invisible anyway) until the commit that names its object binds the real key."""
-        helds, placeholders = [], secrets.token_bytes(32 * len(sizes))
-        for i, size in enumerate(sizes):
-            taken = align_up(size)
+        taken = [align_up(size) for size in sizes]
+        with self._lock:  # claim the room of as many as fit
+            room, count = self._ahead_limit - self._ahead_bytes, 0
+            while count < len(taken) and taken[count] <= room:
+                room -= taken[count]
+                count += 1
+            self._ahead_bytes += sum(taken[:count])
+        placeholders = secrets.token_bytes(32 * count)
+        # one call for them all: it ends at the first with no room (a placeholder is never cached)
+        reservations = self.store.reserve([(placeholders[32 * i : 32 * i + 32], sizes[i]) for i in range(count)]) if count else []
+        if len(reservations) < count:
             with self._lock:
-                if self._ahead_bytes + taken > self._ahead_limit:
-                    break  # AHEAD_SHARE_OF_L1: the client's next store reserves by key instead
-                self._ahead_bytes += taken
-            [reservation] = self.store.reserve([(placeholders[32 * i : 32 * i + 32], size)]) or [None]
-            if reservation is None:
-                with self._lock:
-                    self._ahead_bytes -= taken
-                break
-            helds.append(_Held(self._deadline(), session, reservation=reservation, ahead=True))
-        return self._hold_each(helds), [held.reservation.offset for held in helds]
+                self._ahead_bytes -= sum(taken[len(reservations) : count])
+        deadline = self._deadline()
+        idents = self._hold_each([_Held(deadline, session, reservation=r, ahead=True) for r in reservations])
+        return idents, [r.offset for r in reservations]
 
     def _commit(self, request: p.Commit, frames: list, peer: bytes) -> Response:
         if request.keys and len(request.keys) != len(request.slots):
