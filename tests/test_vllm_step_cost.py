@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtier.integrations.vllm.metrics import GAUGES
+from kvtier.integrations.vllm import metrics
+from kvtier.integrations.vllm.metrics import GAUGES, Interval
 from kvtier.paged.context import WorkerStats
 from kvtier.paged.planner import SchedulerStats
 from kvtier_testing.connector_steps import CHUNK, Steps
@@ -84,12 +85,25 @@ def test_a_step_that_moves_no_figure_reads_no_stats(steps, monkeypatch):
     def refuse(self):
         raise AssertionError("a step that moved no figure read the stats")
 
-    monkeypatch.setattr(SchedulerStats, "as_dict", refuse)
-    monkeypatch.setattr(WorkerStats, "snapshot", refuse)
+    monkeypatch.setattr(Interval, "take", refuse)
     steps.scheduler.build_connector_meta(_decode_step(steps, ids, walkable=True))
     assert steps.worker.build_connector_worker_meta() is None
     assert steps.scheduler.get_kv_connector_stats() is None
     assert steps.worker.get_kv_connector_stats() is None
+
+
+def test_a_busy_step_sends_what_it_moved_without_copying_every_total(steps, monkeypatch):
+    """A step that saves and looks up sends its figures built from the fields that moved: no
+    copy of every running total, renamed, a step (what ``figures`` gives a reader)."""
+    def refuse(*args):
+        raise AssertionError("a step's stats copied every running total")
+
+    for owner, name in ((SchedulerStats, "as_dict"), (WorkerStats, "snapshot"), (metrics, "totals")):
+        monkeypatch.setattr(owner, name, refuse)
+    _prefilled(steps, 2)
+    assert steps.worker._saver.wait_idle(10)
+    scheduler, worker = steps.scheduler.get_kv_connector_stats(), steps.worker.get_kv_connector_stats()
+    assert scheduler.data["lookups"] == 2 and worker.data["saves"] == 2 and set(worker.data["group_save_bytes"]) == {"0"}
 
 
 def test_every_figure_a_step_moves_reaches_vllms_stats(steps):
