@@ -163,8 +163,9 @@ class Saver:
         objects = []
         for span in spans:
             first = span.start // bs
-            ids = [block_ids[first + i] if first + i < len(block_ids) else NULL_BLOCK for i in layout.stored_blocks(span.num_tokens)]
-            if NULL_BLOCK in ids:
+            stored = layout.stored_blocks(span.num_tokens)  # a run of blocks: one slice, not a walk
+            ids = block_ids[first + stored.start : first + stored.stop]
+            if len(ids) < len(stored) or NULL_BLOCK in ids:
                 self.context.stats.add(unsaved_objects=1)
                 continue
             objects.append((span, ids))
