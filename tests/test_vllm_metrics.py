@@ -53,22 +53,20 @@ def test_intervals_add_up_to_the_totals_while_a_thread_bumps_them():
             stats.add(saves=1, save_bytes=3)
             stats.add_labelled("save_bytes_by_group", i % 3, 2)
 
-    thread = threading.Thread(target=bump)
-    thread.start()
-    while thread.is_alive():
+    def send() -> None:
         step = interval.take(vars(stats))
         for name, value in (step.data if step is not None else {}).items():
             if isinstance(value, dict):
                 by_group.update(value)
             else:
                 sent[name] += value
+
+    thread = threading.Thread(target=bump)
+    thread.start()
+    while thread.is_alive():
+        send()
     thread.join()
-    last = interval.take(vars(stats))
-    for name, value in (last.data if last is not None else {}).items():
-        if isinstance(value, dict):
-            by_group.update(value)
-        else:
-            sent[name] += value
+    send()
     assert interval.take(vars(stats)) is None
     figures = totals(stats.snapshot())
     assert (sent["saves"], sent["save_bytes"]) == (figures["saves"], figures["save_bytes"]) == (20_000, 60_000)
