@@ -70,8 +70,10 @@ class SavePlanner:
 
     def _made_records(self, state: RequestState, tokens: Sequence[int],
                       published: list[tuple[int, list[ChunkSpan]]]) -> BlockRecords:
-        """The job's block records, per group (none for a group whose kind publishes none). Read
-        later than the plan, and maybe on another thread: ``tokens`` (the request's prompt, or a
-        copy) and the request's block hashes (a list vLLM only appends to) hold the same there."""
+        """The job's block records, per group (none for a group whose kind publishes none). Made
+        later than the plan, and maybe on another thread: what they read of the request holds the
+        same there up to the job's end (``tokens`` is its prompt, which an engine only extends, or
+        a copy; vLLM's block hashes only grow, or are cut past the tokens computed when a
+        streaming input's next part arrives)."""
         made = {index: self.records(state, tokens, group_spans, index) for index, group_spans in published}
         return [made.get(group.index, {}) for group in self.engine.groups]
