@@ -5,6 +5,7 @@ the bookkeeping that holds lookups back until the workers report the job."""
 
 from __future__ import annotations
 
+import pickle
 from types import SimpleNamespace
 
 from kvtier.keys import ChunkSpan, PrefixKeys
@@ -59,12 +60,25 @@ def test_a_step_saves_the_chunks_it_completes_and_holds_lookups_of_them():
     job = planner.plan(state, [[_keys(3 * CHUNK)]], state.tokens, 2 * CHUNK, 2 * CHUNK + 5, _blocks(engine))
     assert [s.key for s in job.spans[0][0]] == [b"r0:0", b"r0:64"]
     assert job.block_ids == [list(range(1000, 1000 + 9))]  # the blocks of the computed tokens
-    assert job.records == [{(0, 1): b"h"}] and records == [(10, [b"r0:0", b"r0:64"])]
+    assert records == []  # made where first read (the saver thread), not by the plan
+    assert job.block_records() == [{(0, 1): b"h"}] and records == [(10, [b"r0:0", b"r0:64"])]
+    assert job.block_records() == [{(0, 1): b"h"}] and len(records) == 1  # made once
     assert (job.job_id, job.release, job.req_id, job.scope) == (1, False, "r", "scope")
     assert state.saved_upto == 2 * CHUNK and state.save_jobs == 1 and stats.save_jobs == 1
     assert saves.covers(_keys(3 * CHUNK), CHUNK, CHUNK)  # the chunk at 64 is in flight
     saves.report(job.job_id, 1)
     assert not saves.covers(_keys(3 * CHUNK), CHUNK, CHUNK)
+
+
+def test_a_job_pickled_for_another_process_carries_its_records_made():
+    """vLLM's workers of TP > 1 get the step's metadata pickled: the records, not the call that
+    makes them (which holds vLLM's request)."""
+    engine, records = _engine(FullAttention()), []
+    planner, _, _ = _planner(engine, records)
+    state = _state()
+    job = planner.plan(state, [[_keys(3 * CHUNK)]], state.tokens, 2 * CHUNK, 2 * CHUNK, _blocks(engine))
+    copy = pickle.loads(pickle.dumps(job))
+    assert copy.records == [{(0, 1): b"h"}] and (copy.spans, copy.block_ids, copy.job_id) == (job.spans, job.block_ids, job.job_id)
 
 
 def test_a_step_that_completes_nothing_new_plans_nothing():
@@ -84,7 +98,7 @@ def test_recurrent_state_is_saved_where_a_step_ends_on_a_block_boundary():
     job = planner.plan(state, [[_keys(3 * CHUNK), _keys(3 * CHUNK)]], state.tokens, CHUNK, CHUNK + 2 * BLOCK,
                        _blocks(engine))
     assert job.spans[0] == [[], [ChunkSpan(b"r0:64-96", CHUNK, CHUNK + 2 * BLOCK)]]
-    assert job.records == [{(0, 1): b"h"}, {}]  # recurrent state publishes no events
+    assert job.block_records() == [{(0, 1): b"h"}, {}]  # recurrent state publishes no events
     assert planner.step_end(state, CHUNK + 2 * BLOCK + 1, CHUNK) is None
 
 

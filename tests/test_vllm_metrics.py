@@ -33,11 +33,44 @@ from kvtier_testing.services import MODEL_NAME, free_port, service_env, vllm_ser
 
 def test_interval_gives_what_each_figure_gained_and_nothing_when_idle():
     interval = Interval()
-    first = interval.take(totals({"lookups": 2, "lookup_s": 0.5, "hits_by_tier": Counter({"memory": 256})}))
+    first = interval.take({"lookups": 2, "lookup_s": 0.5, "hits_by_tier": Counter({"memory": 256})})
     assert first.data == {"lookups": 2, "lookup_seconds": 0.5, "hit_tokens": {"memory": 256}}
-    now = totals({"lookups": 3, "lookup_s": 0.5, "hits_by_tier": Counter({"memory": 256, "disk-0": 512}), "other": 1})
+    now = {"lookups": 3, "lookup_s": 0.5, "hits_by_tier": Counter({"memory": 256, "disk-0": 512}), "other": 1}
     assert interval.take(now).data == {"lookups": 1, "hit_tokens": {"disk-0": 512}}
     assert interval.take(now) is None
+
+
+def test_intervals_add_up_to_the_totals_while_a_thread_bumps_them():
+    """The worker's saver and loader threads bump its totals while the engine's thread takes
+    each step's interval from them: no figure is lost or counted twice."""
+    from kvtier.paged.context import WorkerStats
+
+    stats, interval, sent = WorkerStats(), Interval(), Counter()
+    by_group: Counter = Counter()
+
+    def bump() -> None:
+        for i in range(20_000):
+            stats.add(saves=1, save_bytes=3)
+            stats.add_labelled("save_bytes_by_group", i % 3, 2)
+
+    def send() -> None:
+        step = interval.take(vars(stats))
+        for name, value in (step.data if step is not None else {}).items():
+            if isinstance(value, dict):
+                by_group.update(value)
+            else:
+                sent[name] += value
+
+    thread = threading.Thread(target=bump)
+    thread.start()
+    while thread.is_alive():
+        send()
+    thread.join()
+    send()
+    assert interval.take(vars(stats)) is None
+    figures = totals(stats.snapshot())
+    assert (sent["saves"], sent["save_bytes"]) == (figures["saves"], figures["save_bytes"]) == (20_000, 60_000)
+    assert dict(by_group) == figures["group_save_bytes"] == {"0": 13_334, "1": 13_334, "2": 13_332}
 
 
 def test_every_figure_names_a_field_of_the_connector_stats():
@@ -91,7 +124,7 @@ def test_stats_survive_vllms_engine_to_front_end_serialization():
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    data = Interval().take(totals({"hits_by_tier": Counter({"memory": 256}), "load_s": 0.01, "loads": 1})).to_dict()
+    data = Interval().take({"hits_by_tier": Counter({"memory": 256}), "load_s": 0.01, "loads": 1}).to_dict()
     [decoded] = [MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(SchedulerStats(kv_connector_stats=data)))]
     assert build_stats(decoded.kv_connector_stats).reduce() == build_stats(data).reduce()
 
@@ -126,12 +159,12 @@ def test_load_or_recompute_estimates_are_gauges_of_their_newest_value():
     interval = Interval()
     estimates = {"prefill_us_per_token": 90.0, "prefill_tokens_per_s": None, "tier_tokens_per_s": {"memory": 10**8},
                  "load_decision_changes": 1}
-    assert interval.take(totals(estimates)).data == {"prefill_us_per_token": 90.0, "tier_tokens_per_second": {"memory": 10**8},
+    assert interval.take(estimates).data == {"prefill_us_per_token": 90.0, "tier_tokens_per_second": {"memory": 10**8},
                                                      "load_decision_changes": 1}
-    assert interval.take(totals(estimates)) is None
+    assert interval.take(estimates) is None
     later = {**estimates, "prefill_tokens_per_s": 8000, "tier_tokens_per_s": {"memory": 10**8, "redis": 485},
              "load_decision_changes": 3}
-    assert interval.take(totals(later)).data == {"prefill_tokens_per_second": 8000, "tier_tokens_per_second": {"redis": 485},
+    assert interval.take(later).data == {"prefill_tokens_per_second": 8000, "tier_tokens_per_second": {"redis": 485},
                                                  "load_decision_changes": 2}
     # as the estimates give them, they survive vLLM's engine-to-front-end serialization
     from vllm.v1.metrics.stats import SchedulerStats
@@ -141,7 +174,7 @@ def test_load_or_recompute_estimates_are_gauges_of_their_newest_value():
     for i, tokens in enumerate([1024, 4096, 2048, 4096, 512]):
         costs.observe_step(tokens, tokens * (tokens - 1) // 2, 0.01 + 1e-4 * tokens, now=i)
         costs.observe_load(LoadSample("memory", tokens, tokens * 4096, 1e-5 + tokens / 2e8), now=i)
-    data = Interval().take(totals(costs.gauges())).to_dict()
+    data = Interval().take(costs.gauges()).to_dict()
     assert set(data) == {"prefill_us_per_token", "prefill_tokens_per_second", "tier_tokens_per_second"}
     [decoded] = [MsgpackDecoder(SchedulerStats).decode(MsgpackEncoder().encode(SchedulerStats(kv_connector_stats=data)))]
     assert decoded.kv_connector_stats == data

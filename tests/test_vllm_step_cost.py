@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 
-from kvtier.integrations.vllm.metrics import GAUGES
+from kvtier.events import decode_record
+from kvtier.integrations.vllm import metrics
+from kvtier.integrations.vllm import scheduler as scheduler_module
+from kvtier.integrations.vllm.block_records import block_records
+from kvtier.integrations.vllm.metrics import GAUGES, Interval
 from kvtier.paged.context import WorkerStats
 from kvtier.paged.planner import SchedulerStats
-from kvtier_testing.connector_steps import CHUNK, Steps
+from kvtier_testing.connector_steps import BLOCK, CHUNK, Steps
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -84,12 +89,44 @@ def test_a_step_that_moves_no_figure_reads_no_stats(steps, monkeypatch):
     def refuse(self):
         raise AssertionError("a step that moved no figure read the stats")
 
-    monkeypatch.setattr(SchedulerStats, "as_dict", refuse)
-    monkeypatch.setattr(WorkerStats, "snapshot", refuse)
+    monkeypatch.setattr(Interval, "take", refuse)
     steps.scheduler.build_connector_meta(_decode_step(steps, ids, walkable=True))
     assert steps.worker.build_connector_worker_meta() is None
     assert steps.scheduler.get_kv_connector_stats() is None
     assert steps.worker.get_kv_connector_stats() is None
+
+
+def test_a_busy_step_sends_what_it_moved_without_copying_every_total(steps, monkeypatch):
+    """A step that saves and looks up sends its figures built from the fields that moved: no
+    copy of every running total, renamed, a step (what ``figures`` gives a reader)."""
+    def refuse(*args):
+        raise AssertionError("a step's stats copied every running total")
+
+    for owner, name in ((SchedulerStats, "as_dict"), (WorkerStats, "snapshot"), (metrics, "totals")):
+        monkeypatch.setattr(owner, name, refuse)
+    _prefilled(steps, 2)
+    assert steps.worker._saver.wait_idle(10)
+    scheduler, worker = steps.scheduler.get_kv_connector_stats(), steps.worker.get_kv_connector_stats()
+    assert scheduler.data["lookups"] == 2 and worker.data["saves"] == 2 and set(worker.data["group_save_bytes"]) == {"0"}
+
+
+def test_a_saves_block_records_are_made_on_the_saver_thread_and_kept_with_its_objects(steps, monkeypatch):
+    """The records KV events publish are made where the saver stores the objects, not on the
+    engine's thread that plans the save (in one process: the embedded store, or vLLM's TP 1)."""
+    made_on = []
+
+    def recording(*args):
+        made_on.append(threading.current_thread().name)
+        return block_records(*args)
+
+    monkeypatch.setattr(scheduler_module, "block_records", recording)
+    tokens = _tokens(7, 2 * CHUNK)
+    steps.admit("r", tokens, block_hashes=[i.to_bytes(32, "big") for i in range(1, len(tokens) // BLOCK + 1)])
+    steps.step()
+    assert steps.worker._saver.wait_idle(10)
+    assert made_on and set(made_on) == {"kvtier-saver"}
+    stored = sorted((decode_record(data) for _, data in steps.store.l1.records()), key=lambda r: r.parent_block_hash or 0)
+    assert [r.token_ids for r in stored] == [tokens[:CHUNK], tokens[CHUNK:]]
 
 
 def test_every_figure_a_step_moves_reaches_vllms_stats(steps):

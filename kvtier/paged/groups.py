@@ -83,7 +83,7 @@ class GroupKind:
 
     def stored_blocks(self, layout: KVLayout, num_tokens: int) -> range:
         """The blocks of a span of ``num_tokens`` tokens (from a block boundary) its object
-        holds, counted from the span's first block."""
+        holds, counted from the span's first block: one run of consecutive blocks."""
         raise NotImplementedError
 
     def payload_bytes(self, layout: KVLayout, num_tokens: int) -> int:

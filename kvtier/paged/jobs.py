@@ -4,6 +4,7 @@ what a worker reports back of its loads (``LoadSample``, for load_costs.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvtier.keys import ChunkSpan
 from kvtier.keystore import Pin
@@ -42,21 +43,39 @@ class LoadJob:
     pins: list[list[Pin | None]] = field(default_factory=list)
 
 
+#: Per group, an object's token range -> vLLM's view of its blocks (kvtier/integrations/vllm/block_records.py).
+BlockRecords = list[dict[tuple[int, int], bytes]]
+
+
 @dataclass
 class SaveJob:
     """After the forward pass, store the objects ``spans[rank][group]`` (all computed by then),
-    whose block i is vLLM's block ``block_ids[group][i]``. ``records[group]`` maps an object's
-    token range to vLLM's view of its blocks (kvtier/integrations/vllm/block_records.py), the same for every rank."""
+    whose block i is vLLM's block ``block_ids[group][i]``. ``records``: the block records of
+    its objects, the same for every rank; or the call that makes them, made where they are
+    first read (``block_records``): in the engine's process that is the worker's saver
+    thread as it stores the objects, not the engine's thread that plans the job. A job that
+    leaves the process (to vLLM's workers of TP > 1) carries them made."""
 
     req_id: ReqId
     scope: RequestScope
     spans: list[list[list[ChunkSpan]]]
     block_ids: list[list[int]]
     job_id: int = 0
-    records: list[dict[tuple[int, int], bytes]] = field(default_factory=list)
+    records: BlockRecords | Callable[[], BlockRecords] = field(default_factory=list)
     #: the request has finished and vLLM holds its blocks for this job (history: kvtier/integrations/vllm/scheduler.py):
     #: each worker reports the request as sent once the job's pages are copied out (or dropped)
     release: bool = False
+
+    def block_records(self) -> BlockRecords:
+        """``records``, made now if they are still a call."""
+        records = self.records
+        if callable(records):
+            records = self.records = records()
+        return records
+
+    def __getstate__(self) -> dict:
+        self.block_records()  # pickled for another process: the records, not the call
+        return self.__dict__
 
 
 @dataclass(frozen=True)

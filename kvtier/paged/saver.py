@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,8 +154,7 @@ class Saver:
         """Lent slots for every object staged, in order (``TokenCache.lend_spans``), or None."""
         spaces = self.context.spaces(job.scope)
         groups = [(spaces[g], [span for span, _ in objects]) for g, objects in enumerate(staged)]
-        records = [r for g, (_, spans) in enumerate(groups) for r in _records(job, g, spans)]
-        return self.cache.lend_spans(groups, records, job.scope.tenant)
+        return self.cache.lend_spans(groups, _ObjectRecords(job, [spans for _, spans in groups]), job.scope.tenant)
 
     def _blocks(self, g: int, spans: list[ChunkSpan], block_ids: list[int]) -> list[tuple[ChunkSpan, list[int]]]:
         """The objects of group ``g`` that can be stored, with vLLM's blocks each holds: one that
@@ -163,8 +163,9 @@ class Saver:
         objects = []
         for span in spans:
             first = span.start // bs
-            ids = [block_ids[first + i] if first + i < len(block_ids) else NULL_BLOCK for i in layout.stored_blocks(span.num_tokens)]
-            if NULL_BLOCK in ids:
+            stored = layout.stored_blocks(span.num_tokens)  # a run of blocks: one slice, not a walk
+            ids = block_ids[first + stored.start : first + stored.stop]
+            if len(ids) < len(stored) or NULL_BLOCK in ids:
                 self.context.stats.add(unsaved_objects=1)
                 continue
             objects.append((span, ids))
@@ -251,8 +252,7 @@ class Saver:
             written[g] += size
 
         groups = [(spaces[g], spans) for g, spans in enumerate(staged.spans)]
-        records = [r for g, spans in enumerate(staged.spans) for r in _records(job, g, spans)]
-        return self.cache.store_groups(groups, fill, records, job.scope.tenant), written
+        return self.cache.store_groups(groups, fill, _ObjectRecords(job, staged.spans), job.scope.tenant), written
 
     def wait_copied(self) -> None:
         """The copies out of the engine's KV of every job staged so far have ended (their stores
@@ -276,7 +276,21 @@ class Saver:
         self._thread.join(timeout=30)
 
 
-def _records(job: SaveJob, g: int, spans: list[ChunkSpan]) -> list[bytes]:
-    """The engine's block record of each of group ``g``'s objects ``spans`` (empty where none)."""
-    records = job.records[g] if job.records else {}
-    return [records.get((s.start, s.end), b"") for s in spans]
+class _ObjectRecords(Sequence[bytes]):
+    """The block record of each object a job stores, over its groups' ``spans`` in order (empty
+    where none), made when first read: a store that reads none (the embedded store lends no
+    slots) never makes them, and one that does reads them on the saver thread."""
+
+    def __init__(self, job: SaveJob, spans: list[list[ChunkSpan]]) -> None:
+        self._job, self._spans = job, spans
+        self._count = sum(map(len, spans))
+        self._made: list[bytes] | None = None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if self._made is None:
+            records = self._job.block_records()
+            self._made = [(records[g] if records else {}).get((s.start, s.end), b"") for g, spans in enumerate(self._spans) for s in spans]
+        return self._made[i]

@@ -6,10 +6,11 @@ rank stores what all ranks share."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 from kvtier.keys import ChunkSpan, PrefixKeys
-from kvtier.paged.jobs import SaveJob
+from kvtier.paged.jobs import BlockRecords, SaveJob
 from kvtier.paged.layout import EngineLayout, pages
 from kvtier.paged.planner import RequestState, SavesInFlight, SchedulerStats
 
@@ -56,8 +57,8 @@ class SavePlanner:
         ]
         if not any(spans[0]):
             return None
-        records = [self.records(state, tokens, group_spans, group.index) if group.kind.published else {}
-                   for group, group_spans in zip(groups, spans[0])]
+        published = [(group.index, group_spans) for group, group_spans in zip(groups, spans[0]) if group.kind.published]
+        records = functools.partial(self._made_records, state, tokens, published) if published else [{} for _ in groups]
         blocks = [list(block_ids[g.index][: pages(computed, self.engine.block_size)]) for g in groups]
         job = SaveJob(state.request.request_id, state.scope, spans, blocks, self._next_job, records, release)
         self._next_job += 1
@@ -66,3 +67,13 @@ class SavePlanner:
         state.save_jobs += 1
         self.stats.save_jobs += 1
         return job
+
+    def _made_records(self, state: RequestState, tokens: Sequence[int],
+                      published: list[tuple[int, list[ChunkSpan]]]) -> BlockRecords:
+        """The job's block records, per group (none for a group whose kind publishes none). Made
+        later than the plan, and maybe on another thread: what they read of the request holds the
+        same there up to the job's end (``tokens`` is its prompt, which an engine only extends, or
+        a copy; vLLM's block hashes only grow, or are cut past the tokens computed when a
+        streaming input's next part arrives)."""
+        made = {index: self.records(state, tokens, group_spans, index) for index, group_spans in published}
+        return [made.get(group.index, {}) for group in self.engine.groups]

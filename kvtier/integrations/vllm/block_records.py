@@ -67,31 +67,40 @@ def block_records(
     # embeddings; without them every block's are the request's own (its LoRA; the salt, block 0's
     # only, is left out here): asked of vLLM once a call, not once a block (microseconds each)
     per_block = bool(request.mm_features) or request.prompt_embeds is not None
-    shared = None if per_block else _without_salt(generate_block_hash_extra_keys(request, 0, block_size, 0)[0])
+    # the request's own keys in the events' form, converted once (to_event_extra_keys of one block)
+    shared = None if per_block else to_event_extra_keys([_without_salt(generate_block_hash_extra_keys(request, 0, block_size, 0)[0])])
     records = {}
     for span in spans:
         first, end = span.start // block_size, span.end // block_size
         if span.start % block_size or end <= first or end > len(hashes):
             continue
-        extra_keys, mm_index = [shared] * (end - first), 0
         if per_block:
-            for i, block in enumerate(range(first, end)):
+            per_block_keys, mm_index = [], 0
+            for block in range(first, end):
                 keys, mm_index = generate_block_hash_extra_keys(request, block * block_size, (block + 1) * block_size, mm_index)
-                extra_keys[i] = _without_salt(keys)
+                per_block_keys.append(_without_salt(keys))
+            extra_keys = to_event_extra_keys(per_block_keys)
+        else:
+            extra_keys = shared * (end - first)
         lora = request.lora_request
         record = BlockRecord(
             model=model,
             block_size=block_size,
-            block_hashes=list(hashes[first:end]),
+            block_hashes=_as_list(hashes[first:end]),
             parent_block_hash=hashes[first - 1] if first else None,
-            token_ids=list(tokens[first * block_size : end * block_size]),
+            token_ids=_as_list(tokens[first * block_size : end * block_size]),
             lora_id=lora.adapter_id if lora is not None else None,
             lora_name=lora.name if lora is not None else None,
-            extra_keys=to_event_extra_keys(extra_keys),
+            extra_keys=extra_keys,
             group_idx=group_idx,
         )
         records[(span.start, span.end)] = record.encode()
     return records
+
+
+def _as_list(values: Sequence[int]) -> list[int]:
+    """``values`` as a list: a list's slice as it is, anything else copied."""
+    return values if type(values) is list else list(values)
 
 
 def _without_salt(keys: tuple | None) -> tuple | None:

@@ -170,33 +170,41 @@ def totals(counters: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Interval:
-    """What running totals gained since the last ``take``: the figures of one step (gauges: their
-    values that changed; None is not measured, and not sent)."""
+    """What a side's running totals gained since the last ``take``: the figures of one step
+    (gauges: their values that changed; None is not measured, and not sent). It reads the side's
+    stats fields as they are (``Figure.field`` -> running total), and keeps the last value of
+    each: a step pays a comparison a figure and builds only what moved (not every figure's
+    total, copied and renamed, as ``totals`` does for ``figures``)."""
 
     def __init__(self) -> None:
-        self._last: dict[str, Any] = {}
+        self._last: dict[str, Any] = {}  # field -> its value at the last take (by-label ones copied)
+        self._figures: list[Figure] | None = None  # those whose field the side has, from its first take
 
-    def take(self, figures: Mapping[str, Any]) -> KvtierStats | None:
-        """``figures``: ``totals`` of one side. vLLM asks every step, twice on some paths: a step
-        that moved no figure costs one comparison."""
-        if figures == self._last:
-            return None
-        data: dict[str, Any] = {}
-        for name, now in figures.items():
-            last = self._last.get(name)
-            gauge = name in GAUGES
-            if isinstance(now, Mapping):
-                last = last or {}
-                changed = {tier: value if gauge else value - last.get(tier, 0)
-                           for tier, value in now.items() if value != last.get(tier, None if gauge else 0)}
+    def take(self, fields: Mapping[str, Any]) -> KvtierStats | None:
+        """``fields``: a side's stats fields (its ``vars``: the worker's threads may bump them
+        meanwhile; a change after a figure is read shows next step). vLLM asks every step, twice
+        on some paths: a step that moved no figure builds nothing."""
+        if self._figures is None:
+            self._figures = [figure for figure in FIGURES if figure.field in fields]
+        last, data = self._last, {}
+        for figure in self._figures:
+            now = fields.get(figure.field)
+            before = last.get(figure.field)
+            if now is None or now == before:
+                continue
+            if figure.label:
+                now = dict(now)  # one call: a copy no other thread changes while it is walked
+                before = before or {}
+                default = None if figure.gauge else 0
+                changed = {str(label): value if figure.gauge else value - before.get(label, 0)
+                           for label, value in now.items() if value != before.get(label, default)}
                 if changed:
-                    data[name] = changed
-            elif gauge:
-                if now is not None and now != last:
-                    data[name] = now
-            elif now != (last or 0):
-                data[name] = now - (last or 0)
-        self._last = dict(figures)
+                    data[figure.name] = changed
+            elif figure.gauge:
+                data[figure.name] = now
+            elif now != (before or 0):
+                data[figure.name] = now - (before or 0)
+            last[figure.field] = now
         return KvtierStats(data=data) if data else None
 
 

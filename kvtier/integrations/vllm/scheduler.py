@@ -368,7 +368,7 @@ class KvtierScheduler:
         if not self._stats_moved:
             return None
         self._stats_moved = False
-        return self._interval.take(totals(self.stats.as_dict()))
+        return self._interval.take(vars(self.stats))
 
     def shutdown(self) -> None:
         if self.costs is not None:

@@ -186,8 +186,8 @@ class KvtierWorker:
         changes = self.stats.changes
         if changes == self._reported_changes:
             return None
-        self._reported_changes = changes  # read before the snapshot: a change after it shows next step
-        return self._interval.take(self.figures())
+        self._reported_changes = changes  # read before the totals: a change after it shows next step
+        return self._interval.take(vars(self.stats))
 
     def shutdown(self) -> None:
         if self.loader is not None:
