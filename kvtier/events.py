@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from enum import Enum
-from typing import Annotated, Callable, Literal
+from typing import Annotated, Callable, Literal, Sequence
 
 import msgspec
 
@@ -82,12 +82,16 @@ class EventLog:
         self._listener = listener
 
     def add(self, event: CacheEvent) -> None:
+        self.add_each([event])
+
+    def add_each(self, events: Sequence[CacheEvent]) -> None:
+        """Add these events in order, waking the listener once."""
         with self._lock:
-            excess = len(self._events) + 1 - self.limit
+            self._events.extend(events)
+            excess = len(self._events) - self.limit
             if excess > 0:
                 del self._events[:excess]
                 self.dropped += excess
-            self._events.append(event)
         if self._listener is not None:
             self._listener()
 

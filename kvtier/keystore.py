@@ -19,14 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+import msgspec
+
 from kvtier.events import CacheEvent
 from kvtier.keys import ChunkSpan
 
 
-@dataclass(frozen=True)
-class Reservation:
+class Reservation(msgspec.Struct, frozen=True):
     """A writable slot for one whole object (``view`` is exactly its size), invisible to readers
-    until committed."""
+    until committed. A struct, not a dataclass: a store makes one per page, ten times faster."""
 
     key: bytes
     view: memoryview

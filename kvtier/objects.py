@@ -19,8 +19,8 @@ a miss, never into KV applied to the wrong model.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
+import msgspec
 import xxhash
 
 from kvtier.codecs import codec_by_id, codec_by_name
@@ -45,8 +45,9 @@ _FLAGS_OFFSET = 61
 UNSEALED = 0x01  # flag: the checksum is not computed yet
 
 
-@dataclass(frozen=True)
-class ObjectHeader:
+class ObjectHeader(msgspec.Struct, frozen=True):
+    """An object's header, as read or written (a struct: a server checks one per page it commits)."""
+
     codec_id: int
     layout_fingerprint: bytes
     key: bytes

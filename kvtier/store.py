@@ -96,7 +96,7 @@ class TieredStore:
         return [event for tier in self.tiers for event in tier.take_events()]
 
     def watch(self, listener: Callable[[], None] | None) -> None:
-        """Call ``listener`` after every event of any tier (None: stop)."""
+        """Call ``listener`` after each batch of events any tier adds (None: stop)."""
         for tier in self.tiers:
             tier.events.listen(listener)
 
@@ -193,13 +193,7 @@ class TieredStore:
         already; the list ends at the first key there is no room for (or that the tenant's quota
         leaves no room for). A key another writer is filling gets a slot too: the first commit
         stores it (``MemoryTier.reserve``)."""
-        reservations: list[Reservation | None] = []
-        for i, (key, size) in enumerate(items):
-            reservation = self.l1.reserve(key, size, records[i] if records else b"", tenant)
-            if reservation is None and not self.l1.contains([key])[0]:
-                break
-            reservations.append(reservation)
-        return reservations
+        return self.l1.reserve_each(items, records, tenant)
 
     def lend(
         self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
@@ -207,19 +201,19 @@ class TieredStore:
         """None: a reservation here may evict, which waits for the tier's lock and its writes."""
         return None
 
-    def bind(
-        self, reservation: Reservation, key: bytes, size: int, record: bytes = b"", tenant: str = ""
-    ) -> Reservation | None:
-        """A slot reserved ahead (under a placeholder key) for the object ``key`` of ``size``
-        bytes of ``tenant`` written into it; None where ``key`` is stored already, or does not
-        fit (see ``MemoryTier.bind``)."""
-        return self.l1.bind(reservation, key, size, record, tenant)
+    def bind_each(
+        self, bindings: Sequence[tuple[Reservation, bytes, int, bytes]], tenant: str = ""
+    ) -> list[Reservation | None]:
+        """For each (reservation, key, size, record): the slot reserved ahead (under a placeholder
+        key) for the object ``key`` of ``size`` bytes of ``tenant`` written into it; None where
+        ``key`` is stored already, or does not fit (see ``MemoryTier.bind``)."""
+        return self.l1.bind_each(bindings, tenant)
 
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Make filled, sealed slots visible and queue their writes to the lower tiers (a slot
         whose key another writer committed first is freed: the key is stored all the same)."""
-        for reservation in reservations:
-            if self.l1.commit(reservation):
+        for reservation, held in zip(reservations, self.l1.commit_each(reservations)):
+            if held:
                 self._seen(reservation.key, committed=True)
         return [True] * len(reservations)
 

@@ -117,6 +117,25 @@ def test_a_slot_reserved_ahead_becomes_its_tenants_when_bound():
         t.release(lease)
 
 
+def test_one_bulk_bind_over_the_tenants_max_evicts_its_older_objects_never_the_slots_bound_before():
+    """A commit binds all its slots reserved ahead in one call: a tenant's max met on the way
+    evicts the tenant's older objects, never a slot bound earlier in the same call, so the first
+    chunks of a prompt stay and those past the max are refused (bound one by one and committed
+    at once, the later ones evicted the first)."""
+    t = memory(8, quota("a", "memory", max_bytes=3 * PAGE))
+    put(t, 1, "a")
+    ahead = [t.reserve(key(1000 + i), OBJECT) for i in range(4)]
+    bound = t.bind_each([(slot, key(10 + i), OBJECT, b"") for i, slot in enumerate(ahead)], tenant="a")
+    assert [slot is not None for slot in bound] == [True, True, True, False]
+    assert owners(t, [1]) == {} and held(t, "a")["refused_puts"] == 1
+    for i, slot in enumerate(bound[:3]):
+        slot.view[:] = obj(10 + i, TOKENS)
+    assert t.commit_each(bound[:3]) == [True] * 3
+    t.abort(ahead[3])
+    assert owners(t, [1, 10, 11, 12, 13]) == {10: "a", 11: "a", 12: "a"}
+    assert held(t, "a")["used_bytes"] == 3 * PAGE and held(t, "default")["objects"] == 0
+
+
 # -- guarantees: nobody is evicted below them --------------------------------------------------------
 
 

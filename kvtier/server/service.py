@@ -42,7 +42,7 @@ class BadRequest(Exception):
     """The request is well-formed msgpack but asks for something impossible."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Held:
     deadline: float
     session: bytes  # the session that got the handle: the only one that may end it
@@ -200,17 +200,22 @@ class CacheService:
                 idents.append(ident)
         return idents
 
-    def _take(self, ident: int, session: bytes, reservation: bool = False) -> _Held | None:
-        """The handle ``ident`` of ``session``, taken; None where it is unknown (expired, ended),
-        another session's (refused and counted) or, with ``reservation``, a lease (left alone)."""
+    def _take_each(self, idents: Sequence[int], session: bytes, reservation: bool = False) -> list[_Held | None]:
+        """The handles ``idents`` of ``session``, taken under one hold of the lock; None for each
+        one unknown (expired, ended), another session's (refused and counted) or, with
+        ``reservation``, a lease (left alone)."""
+        taken: list[_Held | None] = []
+        foreign = 0
         with self._lock:
-            held = self._held.get(ident)
-            if held is None:
-                return None
-            if held.session != session:
-                self.metrics.foreign_handles.inc()
-                return None
-            return None if reservation and held.reservation is None else self._pop(ident)
+            for ident in idents:
+                held = self._held.get(ident)
+                if held is not None and held.session != session:
+                    foreign += 1
+                    held = None
+                taken.append(None if held is None or (reservation and held.reservation is None) else self._pop(ident))
+        if foreign:
+            self.metrics.foreign_handles.inc(foreign)
+        return taken
 
     def _pop(self, ident: int) -> _Held | None:
         """Forget a handle (the caller holds the lock); a slot reserved ahead gives back its room."""
@@ -238,8 +243,7 @@ class CacheService:
     def _give_back(self, idents: list[int], session: bytes) -> None:
         """The handles a session is done with: leases released, slots aborted; unknown or
         expired ones are ignored, another session's refused (each handle is ended once)."""
-        for ident in idents:
-            held = self._take(ident, session)
+        for held in self._take_each(idents, session):
             if held is not None:
                 self._end(held)
 
@@ -399,17 +403,18 @@ class CacheService:
         _check_records("commit", request.records, len(request.keys))
         if (request.slots or request.ahead) and (self.arena.path is None or self._stale(request.arena)):
             return self._error("stale-arena", "commit names slots of another arena; say hello again")
-        committed = []
-        for i, ident in enumerate(request.slots):
-            held = self._take(ident, request.session, reservation=True)
+        committed = [False] * len(request.slots)  # False: unknown, expired (and aborted), another session's, a lease
+        refused: list[Reservation] = []  # aborted: their slot holds no object they may keep
+        ready: list[tuple[int, Reservation, int]] = []  # (index, slot, tokens) to commit
+        ahead: list[tuple[int, int]] = []  # (index, tokens) of the slots reserved ahead, with their bindings
+        bindings: list[tuple[Reservation, bytes, int, bytes]] = []
+        for i, held in enumerate(self._take_each(request.slots, request.session, reservation=True)):
             if held is None:
-                committed.append(False)  # unknown, expired (and aborted), another session's, or a lease
                 continue
             reservation = held.reservation
             key = request.keys[i] if request.keys else reservation.key
             if key != reservation.key and not held.ahead:
-                self.store.abort([reservation])
-                committed.append(False)  # a slot reserved by key holds that key's object only
+                refused.append(reservation)  # a slot reserved by key holds that key's object only
                 continue
             try:  # same-host clients are trusted with memory, not with framing: check the header
                 header, _ = check_object(reservation.view, key, verify_checksum=False)
@@ -417,28 +422,36 @@ class CacheService:
                     raise ObjectError("object size differs from the reserved size")
             except ObjectError as exc:
                 log.warning("refusing a committed object: %s", exc)
-                self.store.abort([reservation])
-                committed.append(False)
+                refused.append(reservation)
                 continue
             if held.ahead:  # the slot takes its object's key and size now
-                record = request.records[i] if request.records else b""
-                bound = self.store.bind(reservation, key, header.object_size, record, request.tenant)
-                if bound is None:  # stored by another writer meanwhile, too big, over its tenant's max
-                    self.store.abort([reservation])
-                    committed.append(header.object_size <= len(reservation.view) and self.store.l1.contains([key])[0])  # in L1 now
-                    continue
-                reservation = bound
-            committed.extend(self.store.commit([reservation]))
-            self.metrics.stored_tokens.inc(header.num_tokens)
-            self.metrics.store_bytes.observe(len(reservation.view))
+                ahead.append((i, header.num_tokens))
+                bindings.append((reservation, key, header.object_size, request.records[i] if request.records else b""))
+            else:
+                ready.append((i, reservation, header.num_tokens))
+        unbound: list[tuple[int, bytes]] = []  # stored by another writer meanwhile, too big, over its tenant's max
+        for (i, tokens), (reservation, key, size, _), bound in zip(ahead, bindings, self.store.bind_each(bindings, request.tenant)):
+            if bound is None:
+                refused.append(reservation)
+                if size <= len(reservation.view):
+                    unbound.append((i, key))  # committed if the key is in L1 now
+            else:
+                ready.append((i, bound, tokens))
+        self.store.abort(refused)
+        for (i, _), held in zip(unbound, self.store.l1.contains([key for _, key in unbound])):
+            committed[i] = held
+        ready.sort(key=lambda item: item[0])  # committed in the order named: the first of a key's slots wins
+        for (i, _, _), done in zip(ready, self.store.commit([reservation for _, reservation, _ in ready])):
+            committed[i] = done
+        if ready:
+            self.metrics.stored_tokens.inc(sum(tokens for _, _, tokens in ready))
+            self.metrics.store_bytes.observe(sum(len(reservation.view) for _, reservation, _ in ready))
         ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead, request.session)
         return self._reply(p.CommitReply(committed=committed, ahead_slots=ahead_slots, ahead_offsets=ahead_offsets))
 
     def _abort(self, request: p.Abort, frames: list, peer: bytes) -> Response:
-        for ident in request.slots:
-            held = self._take(ident, request.session, reservation=True)
-            if held is not None:
-                self.store.abort([held.reservation])
+        helds = self._take_each(request.slots, request.session, reservation=True)
+        self.store.abort([held.reservation for held in helds if held is not None])
         return self._reply(p.AbortReply())
 
     def _put(self, request: p.Put, frames: list, peer: bytes) -> Response:
@@ -456,14 +469,16 @@ class CacheService:
         reservations = self.store.reserve(
             [(key, len(data)) for key, (_, data) in zip(request.keys, objects)], request.records, request.tenant
         )
-        filled = []
+        filled, tokens = [], 0
         for reservation, (header, data) in zip(reservations, objects):
             if reservation is not None:
                 reservation.view[:] = data
                 filled.append(reservation)
-                self.metrics.stored_tokens.inc(header.num_tokens)
-                self.metrics.store_bytes.observe(len(data))
+                tokens += header.num_tokens
         self.store.commit(filled)
+        if filled:
+            self.metrics.stored_tokens.inc(tokens)
+            self.metrics.store_bytes.observe(sum(len(reservation.view) for reservation in filled))
         stored = [True] * len(reservations) + [False] * (len(objects) - len(reservations))
         return self._reply(p.PutReply(stored=stored))
 

@@ -188,8 +188,13 @@ class Tier(ABC):
 
     def _stored(self, key: bytes, size: int) -> None:
         """Count and report an object this tier now holds (``size`` bytes of object)."""
-        self.stats.add(puts=1, put_bytes=size)
-        self.events.add(CacheEvent("stored", self.name, self.medium, key, size))
+        self._stored_each([(key, size)])
+
+    def _stored_each(self, objects: Sequence[tuple[bytes, int]]) -> None:
+        """``_stored`` of each (key, size), counted and reported at once."""
+        if objects:
+            self.stats.add(puts=len(objects), put_bytes=sum(size for _, size in objects))
+            self.events.add_each([CacheEvent("stored", self.name, self.medium, key, size) for key, size in objects])
 
     def _removed(self, key: bytes) -> None:
         """Report an object gone (deleted, evicted or corrupt); the caller counts why."""

@@ -58,7 +58,7 @@ class L1Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Slot:
     offset: int
     size: int  # bytes of the object
@@ -122,41 +122,40 @@ class MemoryTier(Tier):
         (all leased, too big, or not within the tenant's quota). A key another writer is filling
         a slot for gets a slot of its own: the first of them committed holds the object, so a
         writer that aborts never leaves the key unstored while another had its bytes."""
-        needed = align_up(size)
         with self._lock:
-            current = self._slots.get(key)
-            if current is not None and current.committed:
-                return None
-            offset = self._allocate(needed, tenant)
-            if offset is None:
-                self.stats.rejected_puts += 1
-                self._tenants.refused(tenant)
-                return None
-            slot = _Slot(offset, size, needed, record=bytes(record), tenant=tenant)
-            if current is None:
-                self._slots[key] = slot
-            else:
-                self._rivals[offset] = (key, slot)
-            self._tenants.added(tenant, needed)
-        return Reservation(key, self._arena[offset : offset + size], offset)
+            return self._reserve(key, size, record, tenant)
+
+    def reserve_each(
+        self, items: Sequence[tuple[bytes, int]], records: Sequence[bytes] = (), tenant: str = ""
+    ) -> list[Reservation | None]:
+        """``reserve`` of each (key, size) in order under one hold of the lock: None where the key
+        is stored already; the list ends at the first there is no room for."""
+        reservations: list[Reservation | None] = []
+        with self._lock:
+            for i, (key, size) in enumerate(items):
+                reservation = self._reserve(key, size, records[i] if records else b"", tenant)
+                if reservation is None and not self._holds(key):
+                    break
+                reservations.append(reservation)
+        return reservations
 
     def commit(self, reservation: Reservation) -> bool:
         """Make a filled slot visible to readers; False where another writer's slot of its key
         was committed first (this one is freed: the key is stored either way)."""
+        return self.commit_each([reservation])[0]
+
+    def commit_each(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """``commit`` of each slot in order under one hold of the lock, counted and reported at
+        once."""
+        done, stored = [], []
         with self._lock:
-            slot = self._slots.get(reservation.key)
-            if slot is None or slot.offset != reservation.offset:  # a rival of the slot in ``_slots``
-                _, rival = self._rivals.pop(reservation.offset)
-                if slot is not None and slot.committed:
-                    self._free(rival)
-                    return False
-                if slot is not None:  # still being filled: it becomes the rival, freed at its end
-                    self._rivals[slot.offset] = (reservation.key, slot)
-                slot = self._slots[reservation.key] = rival
-            slot.committed = True
-            self._policy.inserted(reservation.key, slot.size, self.lineage.get(reservation.key))
-            self._stored(reservation.key, slot.size)
-        return True
+            for reservation in reservations:
+                size = self._commit(reservation)
+                done.append(size is not None)
+                if size is not None:
+                    stored.append((reservation.key, size))
+            self._stored_each(stored)
+        return done
 
     def bind(
         self, reservation: Reservation, key: bytes, size: int, record: bytes = b"", tenant: str = ""
@@ -168,28 +167,16 @@ class MemoryTier(Tier):
         and nothing changed, where ``key`` is stored or being written already, where the object
         does not fit, or where the tenant's quota leaves it no room (counted). Where another
         writer is filling a slot for ``key``, this one becomes its rival, as in ``reserve``."""
+        return self.bind_each([(reservation, key, size, record)], tenant)[0]
+
+    def bind_each(
+        self, bindings: Sequence[tuple[Reservation, bytes, int, bytes]], tenant: str = ""
+    ) -> list[Reservation | None]:
+        """``bind`` of each (reservation, key, size, record) in order under one hold of the lock.
+        The slots bound are not committed yet, so a tenant's max met on the way evicts its older
+        objects, never the ones bound before in the same call (the first of a prompt's chunks stay)."""
         with self._lock:
-            slot = self._slots.get(reservation.key)
-            current = self._slots.get(key)
-            if (current is not None and current.committed) or slot is None or slot.committed or not 0 < size <= slot.size:
-                return None
-            kept = align_up(size)
-            self._tenants.removed(slot.tenant, slot.reserved)
-            excess = self._tenants.excess(tenant, kept)
-            if excess > 0 and not self._evict_own(tenant, excess):
-                self._tenants.added(slot.tenant, slot.reserved)
-                self._tenants.refused(tenant)
-                return None
-            del self._slots[reservation.key]
-            if kept < slot.reserved:
-                self._allocator.free(slot.offset + kept, slot.reserved - kept)
-            slot.size, slot.reserved, slot.record, slot.tenant = size, kept, bytes(record), tenant
-            if current is None:
-                self._slots[key] = slot
-            else:
-                self._rivals[slot.offset] = (key, slot)
-            self._tenants.added(tenant, kept)
-        return Reservation(key, self._arena[slot.offset : slot.offset + size], slot.offset)
+            return [self._bind(*binding, tenant) for binding in bindings]
 
     def abort(self, reservation: Reservation) -> None:
         """Give back a slot that will not be committed."""
@@ -231,7 +218,7 @@ class MemoryTier(Tier):
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [(slot := self._slots.get(k)) is not None and slot.committed for k in keys]
+            return [self._holds(k) for k in keys]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Copies of the objects, each with its checksum: copies leave this memory."""
@@ -322,6 +309,66 @@ class MemoryTier(Tier):
             )
 
     # -- inside the lock ---------------------------------------------------------------------
+
+    def _holds(self, key: bytes) -> bool:
+        slot = self._slots.get(key)
+        return slot is not None and slot.committed
+
+    def _reserve(self, key: bytes, size: int, record: bytes, tenant: str) -> Reservation | None:
+        needed = align_up(size)
+        current = self._slots.get(key)
+        if current is not None and current.committed:
+            return None
+        offset = self._allocate(needed, tenant)
+        if offset is None:
+            self.stats.rejected_puts += 1
+            self._tenants.refused(tenant)
+            return None
+        slot = _Slot(offset, size, needed, record=bytes(record), tenant=tenant)
+        if current is None:
+            self._slots[key] = slot
+        else:
+            self._rivals[offset] = (key, slot)
+        self._tenants.added(tenant, needed)
+        return Reservation(key, self._arena[offset : offset + size], offset)
+
+    def _commit(self, reservation: Reservation) -> int | None:
+        """The object's size where the slot now holds it; None where a rival's was committed first."""
+        slot = self._slots.get(reservation.key)
+        if slot is None or slot.offset != reservation.offset:  # a rival of the slot in ``_slots``
+            _, rival = self._rivals.pop(reservation.offset)
+            if slot is not None and slot.committed:
+                self._free(rival)
+                return None
+            if slot is not None:  # still being filled: it becomes the rival, freed at its end
+                self._rivals[slot.offset] = (reservation.key, slot)
+            slot = self._slots[reservation.key] = rival
+        slot.committed = True
+        self._policy.inserted(reservation.key, slot.size, self.lineage.get(reservation.key))
+        return slot.size
+
+    def _bind(self, reservation: Reservation, key: bytes, size: int, record: bytes, tenant: str) -> Reservation | None:
+        slot = self._slots.get(reservation.key)
+        current = self._slots.get(key)
+        if (current is not None and current.committed) or slot is None or slot.committed or not 0 < size <= slot.size:
+            return None
+        kept = align_up(size)
+        self._tenants.removed(slot.tenant, slot.reserved)
+        excess = self._tenants.excess(tenant, kept)
+        if excess > 0 and not self._evict_own(tenant, excess):
+            self._tenants.added(slot.tenant, slot.reserved)
+            self._tenants.refused(tenant)
+            return None
+        del self._slots[reservation.key]
+        if kept < slot.reserved:
+            self._allocator.free(slot.offset + kept, slot.reserved - kept)
+        slot.size, slot.reserved, slot.record, slot.tenant = size, kept, bytes(record), tenant
+        if current is None:
+            self._slots[key] = slot
+        else:
+            self._rivals[slot.offset] = (key, slot)
+        self._tenants.added(tenant, kept)
+        return Reservation(key, self._arena[slot.offset : slot.offset + size], slot.offset)
 
     def _allocate(self, needed: int, tenant: str) -> int | None:
         if needed > self.capacity:

@@ -34,6 +34,7 @@ class FrequencySketch:
         if depth < 1 or sample_factor < 1:
             raise ValueError("depth and sample_factor must be positive")
         self.depth = depth
+        self._rows = range(depth)
         self.sample_factor = sample_factor
         self._resize(expected_keys)
 
@@ -55,29 +56,24 @@ class FrequencySketch:
         if keys > self.keys:
             self._resize(keys)
 
-    def _hashes(self, key: bytes) -> tuple[int, int]:
+    def _place(self, key: bytes) -> tuple[list[int], list[int]]:
+        """Where ``key`` is: its doorkeeper bits, and its counter of each row (in ``_counters``,
+        row i's cell c at i * width + c), from one hash split in two."""
         h = xxhash.xxh3_128_intdigest(key)
-        return h & _MASK64, (h >> 64) | 1
-
-    def _door_bits(self, h1: int, h2: int) -> list[int]:
-        size = len(self._door_bytes)
-        return [(h2 + i * h1) % size for i in range(self.depth)]
-
-    def _cells(self, h1: int, h2: int) -> list[int]:
-        """Where the key's counter of each row is in ``_counters``."""
-        width, mask = self.width, self.width - 1
-        return [i * width + ((h1 + i * h2) & mask) for i in range(self.depth)]
+        h1, h2 = h & _MASK64, (h >> 64) | 1
+        size, width, mask, rows = len(self._door_bytes), self.width, self.width - 1, self._rows
+        return [(h2 + i * h1) % size for i in rows], [i * width + ((h1 + i * h2) & mask) for i in rows]
 
     def record(self, key: bytes) -> None:
         """One sighting of ``key``."""
-        h1, h2 = self._hashes(key)
-        door, bits = self._door_bytes, self._door_bits(h1, h2)
-        if not all(door[b] for b in bits):
+        bits, cells = self._place(key)
+        door = self._door_bytes
+        if 0 in [door[b] for b in bits]:
             for b in bits:
                 door[b] = 1
         else:
             counters = self._counters
-            for cell in self._cells(h1, h2):
+            for cell in cells:
                 if counters[cell] < MAX_COUNT:
                     counters[cell] += 1
         self._sightings += 1
@@ -87,9 +83,9 @@ class FrequencySketch:
     def estimate(self, key: bytes) -> int:
         """Sightings of ``key`` lately (never fewer than there were since the last halving, but
         possibly more: keys share counters)."""
-        h1, h2 = self._hashes(key)
+        bits, cells = self._place(key)
         counters, door = self._counters, self._door_bytes
-        return min(counters[cell] for cell in self._cells(h1, h2)) + all(door[b] for b in self._door_bits(h1, h2))
+        return min([counters[cell] for cell in cells]) + (0 not in [door[b] for b in bits])
 
     def halve(self) -> None:
         """Age: every counter halved, the doorkeeper forgotten."""

@@ -250,10 +250,11 @@ class KvtierStorage(HiCacheStorage):
 
     # -- write --------------------------------------------------------------------------------
 
-    def _write(self, pool: BoundPool, keys: list[str], extra_info, page: Callable[[int, memoryview], None]) -> list[bool]:
-        """Store ``keys``' pages not stored yet; ``page(i, dest)`` writes page i's bytes. Through
-        a server, into slots it reserved ahead (no round trip before the copies), else reserved
-        now."""
+    def _write(self, pool: BoundPool, keys: list[str], extra_info,
+               pages: Callable[[list[int], list[memoryview]], None]) -> list[bool]:
+        """Store ``keys``' pages not stored yet; ``pages(indexes, dests)`` writes page
+        ``indexes[j]``'s bytes into ``dests[j]``. Through a server, into slots it reserved ahead
+        (no round trip before the copies; all of them in one call), else reserved now."""
         if not self._writes(pool):
             return [True] * len(keys)  # the MLA storage writer stores these very pages
         spans = pool.spans(keys, _first_page(extra_info), _salt(extra_info))
@@ -262,11 +263,10 @@ class KvtierStorage(HiCacheStorage):
         start = time.perf_counter()
         lent = self.cache.lend_spans(groups, tenant=tenant)
         if lent is None:
-            held = self.cache.store_each(groups, lambda span, dest: page(index[span.key], dest), tenant=tenant)
+            held = self.cache.store_each(groups, lambda span, dest: pages([index[span.key]], [dest]), tenant=tenant)
         else:
             try:
-                for _, span, slot in lent:
-                    page(index[span.key], slot.view[HEADER_SIZE:])
+                pages([index[span.key] for _, span, _ in lent], [slot.view[HEADER_SIZE:] for _, _, slot in lent])
             except BaseException:
                 self.cache.key_store.abort([slot for _, _, slot in lent])
                 raise
@@ -276,7 +276,7 @@ class KvtierStorage(HiCacheStorage):
 
     def _write_from_host(self, pool: BoundPool, keys, host_indices, extra_info) -> list[bool]:
         starts = _page_starts(pool, keys, host_indices)
-        return self._write(pool, keys, extra_info, lambda i, dest: pool.copy_out(starts[i], dest))
+        return self._write(pool, keys, extra_info, lambda indexes, dests: pool.copy_out_each([starts[i] for i in indexes], dests))
 
     def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
         return self.batch_set([key], [value])
@@ -288,7 +288,11 @@ class KvtierStorage(HiCacheStorage):
             values = list(values or ())
             if len(values) != len(keys):
                 raise ValueError(f"{len(keys)} keys with {len(values)} pages")
-            return all(self._write(pool, keys, None, lambda i, dest: pool.tensor_out(values[i], dest)))
+            def pages(indexes: list[int], dests: list[memoryview]) -> None:
+                for i, dest in zip(indexes, dests):
+                    pool.tensor_out(values[i], dest)
+
+            return all(self._write(pool, keys, None, pages))
         except Exception as exc:
             return self._fail_open("batch_set", exc, False)
 
