@@ -25,7 +25,6 @@ from kvtier.config import ServerConfig, convert
 from kvtier.objects import HEADER_SIZE
 from kvtier.server.main import KvtierServer
 from kvtier.server.service import AHEAD_SHARE_OF_L1
-from kvtier.tiers.arena import align_up
 from kvtier.wire import protocol as p
 from kvtier_testing.data_port_junk import dealer, open_session, pong_through, send_raw, zmtp1_without_envelope
 from kvtier_testing.kvtier_processes import ServerProcess, free_port
@@ -391,16 +390,6 @@ def test_a_store_and_a_load_are_one_round_trip_each_in_steady_state(server, monk
     assert server.service.status()["leases_and_reservations"] == 0  # close gave the pool back
 
 
-def stocked(server, count: int) -> dict:
-    """The server's status once it keeps ``count`` slots reserved ahead in stock (its loop
-    reserves them after sending a reply: the test may look before)."""
-    deadline = time.monotonic() + 5
-    while (status := server.service.status())["stocked_ahead"] != count:
-        assert time.monotonic() < deadline, f"{status['stocked_ahead']} slots in stock, not {count}"
-        time.sleep(0.005)
-    return status
-
-
 def test_a_commit_draws_randomness_once_for_all_its_slots_not_per_slot(server, monkeypatch):
     """Handles and the placeholder keys of slots reserved ahead stay random, but a commit of many
     slots draws the system's randomness (a system call each) once for its handles and once for
@@ -411,13 +400,11 @@ def test_a_commit_draws_randomness_once_for_all_its_slots_not_per_slot(server, m
     cache = TokenCache(client)
     first = tokens(120_000, 96)
     assert cache.store(NS, first, fill_for(first)) == 6  # the pool fills
-    stocked(server, 6)  # and the server's stock for the next commit, after the reply
     draws = []
     monkeypatch.setattr(service.secrets, "token_bytes", lambda n: draws.append(n) or os.urandom(n))
     monkeypatch.setattr(service.secrets, "randbits", lambda k: draws.append(k) or random.SystemRandom().getrandbits(k))
     again = tokens(121_000, 96)
-    assert cache.store(NS, again, fill_for(again)) == 6  # one commit, its 6 slots ahead from the stock...
-    stocked(server, 6)  # ...which is reserved again after the reply
+    assert cache.store(NS, again, fill_for(again)) == 6  # one commit, which reserves 6 slots ahead again
     assert len(draws) == 2
     with cache.retrieve(NS, again) as r:
         assert r.num_tokens == 96 and retrieved_is_exact(r, again)
@@ -636,72 +623,14 @@ def test_slots_reserved_ahead_never_hold_more_than_their_share_of_l1():
         cache = TokenCache(client)
         limit = server.store.l1.capacity * AHEAD_SHARE_OF_L1
         chunks = 700  # objects of 4 KiB and a header: 2.9 MB, over an eighth of the 20 MB L1
-        for i in range(3):  # the pool fills the share: no room is left for a stock of the next slots
+        for i in range(2):
             toks = tokens(100_000 + 10_000 * i, 16 * chunks)
             assert cache.store(NS, toks, fill_for(toks)) == chunks
             assert 0 < server.service.status()["reserved_ahead_bytes"] <= limit
-        time.sleep(0.1)  # the server's loop has tried to stock the slots the last store asked for
-        assert server.service.status()["reserved_ahead_bytes"] <= limit
         with cache.retrieve(NS, toks) as r:
             assert r.num_tokens == 16 * chunks and retrieved_is_exact(r, toks)
         client.close()
         assert server.service.status()["reserved_ahead_bytes"] == 0
-    finally:
-        server.stop()
-
-
-def test_a_commit_answers_with_slots_its_session_had_reserved_after_the_reply_before():
-    """The slots ahead a commit hands out were reserved after the previous reply was sent (its
-    session's stock), not during the commit's round trip; the stock is the session's own (another
-    session's commit neither gets nor commits them) and goes with the session's pool at its close."""
-    server = start_server()
-    try:
-        owner, other = KvtierClient(url_of(server), timeout_s=5), KvtierClient(url_of(server), timeout_s=5)
-        assert owner.ping() and other.ping()
-        size = 80 + 16 * NS.layout.bytes_per_token
-        first = owner._call(p.Reserve(arena=owner._arena_id, ahead=[size] * 3))[0]
-        assert len(first.ahead_slots) == 3  # none in stock yet: reserved in the round trip
-        status = stocked(server, 3)  # ...and 3 more once the reply was sent
-        assert status["reserved_ahead"] == 3 and status["reserved_ahead_bytes"] == 6 * align_up(size)
-        stock = set(server.service._stock[owner._session])
-        [span] = TokenCache(other).spans(NS, tokens(3_000, 16))
-        refused = server.metrics.foreign_handles._value.get()
-        reply = other._call(p.Commit(arena=other._arena_id, slots=[*stock][:1], keys=[span.key], ahead=[size]))[0]
-        assert reply.committed == [False] and not stock & set(reply.ahead_slots)
-        assert server.metrics.foreign_handles._value.get() == refused + 1
-        second = owner._call(p.Commit(arena=owner._arena_id, ahead=[size, size, size, 2 * size]))[0]
-        assert set(second.ahead_slots[:3]) == stock  # the stock, in the order asked; the bigger one reserved now
-        assert len(second.ahead_slots) == 4 and set(second.ahead_slots).isdisjoint(first.ahead_slots)
-        assert stocked(server, 5)["reserved_ahead"] == 8  # the sizes this commit asked for, stocked again
-        other._call(p.Release(done=list(server.service._stock[owner._session])))  # not another session's to give back
-        assert server.service.status()["stocked_ahead"] == 5
-        owner._call(p.Release(done=[*first.ahead_slots, *second.ahead_slots]))  # a pool given back: its stock too
-        assert stocked(server, 1)["reserved_ahead"] == 1  # the other session's
-        owner.close()
-        other.close()
-    finally:
-        server.stop()
-
-
-def test_a_sessions_stock_of_slots_ahead_is_given_back_with_its_pool_and_expires():
-    server = start_server(lease_timeout_s=0.5)
-    try:
-        client = KvtierClient(url_of(server), timeout_s=5, reserve_ahead_bytes=POOL)
-        cache = TokenCache(client)
-        toks = tokens(4_000, 48)
-        assert cache.store(NS, toks, fill_for(toks)) == 3
-        assert stocked(server, 3)["reserved_ahead"] == 3
-        client.close()  # gives back its pool: the stock goes with it, now
-        assert server.service.status()["reserved_ahead_bytes"] == 0
-        client = KvtierClient(url_of(server), timeout_s=5, reserve_ahead_bytes=POOL)
-        cache = TokenCache(client)
-        assert cache.store(NS, tokens(5_000, 48), fill_for(tokens(5_000, 48))) == 3
-        stocked(server, 3)
-        time.sleep(0.7)
-        client.ping()  # the loop expires what is past its deadline
-        status = server.service.status()
-        assert status["stocked_ahead"] == 0 and status["reserved_ahead_bytes"] == 0 and not server.service._stock
-        client.close()
     finally:
         server.stop()
 
@@ -736,7 +665,6 @@ def test_a_slot_reserved_ahead_holds_a_smaller_object_and_gives_back_the_rest(se
     cache = TokenCache(client)
     full = tokens(90_000, 32)
     assert cache.store(NS, full, fill_for(full)) == 2  # the pool now holds slots of a full chunk
-    stocked(server, 2)  # and so does the server's stock for its next request
     used = server.store.l1.usage().used_bytes
     short = tokens(91_000, 5)  # one object of 5 tokens, into a slot made for 16
     assert cache.store(NS, short, fill_for(short)) == 1
@@ -744,10 +672,8 @@ def test_a_slot_reserved_ahead_holds_a_smaller_object_and_gives_back_the_rest(se
     with cache.retrieve(NS, short) as r:
         assert r.num_tokens == 5 and retrieved_is_exact(r, short)
     pages = lambda n: 4096 * -(-(80 + n * NS.layout.bytes_per_token) // 4096)  # noqa: E731
-    # the slot shrank to its object; the pool was refilled to the two slots the first store needed
-    # from the server's stock, which gave back its spare slot and reserved the one asked again
-    stocked(server, 1)
-    assert server.store.l1.usage().used_bytes == used - pages(16) + pages(5)
+    # the slot shrank to its object, and the pool was refilled to the two slots the first store needed
+    assert server.store.l1.usage().used_bytes == used - pages(16) + pages(5) + pages(16)
     client.close()
 
 

@@ -251,7 +251,6 @@ class KvtierServer:
             frontend.send_multipart(message, copy=False)
         else:  # frames are views of leased objects: released once ZeroMQ is done with them
             sending.append((frontend.send_multipart(message, copy=False, track=True), after_send))
-        self.service.restock()  # after the reply: the client's next copy overlaps it
 
     def _monitor(self, monitor) -> None:
         """Count the connected clients and refused peers, and cut the connections that send too
@@ -301,7 +300,6 @@ class KvtierServer:
                     else:  # frames are views of leased objects: release once ZeroMQ is done with them,
                         # which takes as long as the client takes to read them: never wait for it here
                         sending.append((sock.send_multipart(reply, copy=False, track=True), after_send))
-                    self.service.restock()
                 sending = self._release_sent(sending)
                 self.service.expire()
         finally:

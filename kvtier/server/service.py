@@ -49,7 +49,6 @@ class _Held:
     leases: list[Lease] | None = None
     reservation: Reservation | None = None
     ahead: bool = False  # reserved ahead: its key is a placeholder until the commit names it
-    stocked: bool = False  # reserved ahead and kept here for its session's next request (not yet handed out)
 
 
 #: The most of L1 that slots reserved ahead may hold, all clients' pools together: a pool saves
@@ -104,8 +103,6 @@ class CacheService:
         self._next_deadline = float("inf")  # the earliest deadline held (expire is a no-op before it)
         self._ahead_bytes = 0  # held in slots reserved ahead (claimed before they are reserved)
         self._ahead_limit = int(store.l1.capacity * AHEAD_SHARE_OF_L1)
-        self._stock: dict[bytes, list[int]] = {}  # session -> its slots reserved ahead, kept for its next request
-        self._restocks: dict[bytes, list[int]] = {}  # session -> the sizes to stock once the reply is sent
         self.undelivered_limit = UNDELIVERED_BYTES_PER_SESSION
         self._undelivered: dict[bytes, int] = {}  # session -> bytes of its replies not yet taken by its peer
         self._lock = threading.Lock()
@@ -238,8 +235,6 @@ class CacheService:
         with self._lock:
             late = [i for i, held in self._held.items() if held.deadline < now]
             expired = [self._pop(i) for i in late]
-            self._stock = {session: alive for session, idents in self._stock.items()
-                           if (alive := [i for i in idents if i in self._held])}
             self._next_deadline = min((held.deadline for held in self._held.values()), default=float("inf"))
         for held in expired:
             self._end(held)
@@ -248,12 +243,7 @@ class CacheService:
     def _give_back(self, idents: list[int], session: bytes) -> None:
         """The handles a session is done with: leases released, slots aborted; unknown or
         expired ones are ignored, another session's refused (each handle is ended once)."""
-        taken = self._take_each(idents, session)
-        if any(held is not None and held.ahead for held in taken):  # its pool drains (a close): so does its stock
-            with self._lock:
-                self._restocks.pop(session, None)
-                taken += [self._pop(ident) for ident in self._stock.pop(session, ())]
-        for held in taken:
+        for held in self._take_each(idents, session):
             if held is not None:
                 self._end(held)
 
@@ -380,52 +370,12 @@ class CacheService:
                 slots.append(self._hold(_Held(self._deadline(), request.session, reservation=reservation)))
                 offsets.append(reservation.offset)
         full = len(request.keys) - len(reservations)
-        ahead_slots, ahead_offsets = self._ahead(request.ahead, request.session)
+        ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead, request.session)
         return self._reply(p.ReserveReply(states=states + ["full"] * full, slots=slots + [0] * full,
                                           offsets=offsets + [-1] * full, ahead_slots=ahead_slots,
                                           ahead_offsets=ahead_offsets))
 
-    def _ahead(self, sizes: list[int], session: bytes) -> tuple[list[int], list[int]]:
-        """The slots reserved ahead that a request asks for, in the order of ``sizes`` (fewer: the
-        first ones): from ``session``'s stock while it holds the size asked, the rest reserved now.
-        The stock goes (what it holds of other sizes given back) and is refilled with ``sizes`` by
-        ``restock`` once the reply is sent: its reservation overlaps the client's next copy."""
-        slots, offsets, spare = [], [], {}
-        deadline = self._deadline()
-        with self._lock:
-            for ident in self._stock.pop(session, ()):  # expire takes the expired ones out of the stock
-                spare.setdefault(len(self._held[ident].reservation.view), []).append(ident)
-            for size in sizes:
-                if not spare.get(size):
-                    break
-                held = self._held[ident := spare[size].pop()]
-                held.deadline, held.stocked = deadline, False
-                slots.append(ident)
-                offsets.append(held.reservation.offset)
-            surplus = [self._pop(ident) for idents in spare.values() for ident in idents]
-            if sizes:
-                self._restocks[session] = sizes
-        if surplus:
-            self.store.abort([held.reservation for held in surplus])
-        if len(slots) < len(sizes):
-            more, at = self._reserve_ahead(sizes[len(slots) :], session)
-            slots += more
-            offsets += at
-        return slots, offsets
-
-    def restock(self) -> None:
-        """Reserve the stock of each session a reply asking for slots ahead was sent to since (the
-        server's loop calls it after sending): the sizes that reply asked for, within the share."""
-        while self._restocks:
-            with self._lock:
-                if not self._restocks:
-                    return
-                session, sizes = self._restocks.popitem()
-            idents, _ = self._reserve_ahead(sizes, session, stocked=True)
-            with self._lock:
-                self._stock.setdefault(session, []).extend(ident for ident in idents if ident in self._held)
-
-    def _reserve_ahead(self, sizes: list[int], session: bytes, stocked: bool = False) -> tuple[list[int], list[int]]:
+    def _reserve_ahead(self, sizes: list[int], session: bytes) -> tuple[list[int], list[int]]:
         """Unnamed slots of these sizes for ``session``, as many as there is room for within
         ``AHEAD_SHARE_OF_L1`` (counting the aligned block each takes in L1): (ids, arena offsets). Each
         is reserved under a random placeholder key, which no reader asks for (and an uncommitted
@@ -444,7 +394,7 @@ class CacheService:
             with self._lock:
                 self._ahead_bytes -= sum(taken[len(reservations) : count])
         deadline = self._deadline()
-        idents = self._hold_each([_Held(deadline, session, reservation=r, ahead=True, stocked=stocked) for r in reservations])
+        idents = self._hold_each([_Held(deadline, session, reservation=r, ahead=True) for r in reservations])
         return idents, [r.offset for r in reservations]
 
     def _commit(self, request: p.Commit, frames: list, peer: bytes) -> Response:
@@ -496,7 +446,7 @@ class CacheService:
         if ready:
             self.metrics.stored_tokens.inc(sum(tokens for _, _, tokens in ready))
             self.metrics.store_bytes.observe(sum(len(reservation.view) for _, reservation, _ in ready))
-        ahead_slots, ahead_offsets = self._ahead(request.ahead, request.session)
+        ahead_slots, ahead_offsets = self._reserve_ahead(request.ahead, request.session)
         return self._reply(p.CommitReply(committed=committed, ahead_slots=ahead_slots, ahead_offsets=ahead_offsets))
 
     def _abort(self, request: p.Abort, frames: list, peer: bytes) -> Response:
@@ -611,9 +561,8 @@ class CacheService:
                 entry["tenants"] = tenants
             tiers.append(entry)
         with self._lock:
-            stocked = sum(h.stocked for h in self._held.values())
-            held = len(self._held) - stocked
-            ahead = sum(h.ahead for h in self._held.values()) - stocked
+            held = len(self._held)
+            ahead = sum(h.ahead for h in self._held.values())
             ahead_bytes = self._ahead_bytes
         return {
             "version": __version__,
@@ -625,8 +574,7 @@ class CacheService:
             "sessions": len(self.sessions),
             "leases_and_reservations": held,
             "reserved_ahead": ahead,  # of those, slots in clients' pools
-            "stocked_ahead": stocked,  # slots reserved ahead kept here for a session's next request
-            "reserved_ahead_bytes": ahead_bytes,  # both, at most AHEAD_SHARE_OF_L1 of L1
+            "reserved_ahead_bytes": ahead_bytes,  # at most AHEAD_SHARE_OF_L1 of L1
             "traffic": self.metrics.traffic(),
             **self.status_extra(),
         }
