@@ -161,6 +161,78 @@ def test_a_run_of_pages_into_slots_reserved_ahead_is_one_copy_and_byte_exact(tmp
         rig.close()
 
 
+@pytest.mark.parametrize("spec", [PoolSpec(), PoolSpec(kind="mla", layout="layer_first")], ids=lambda s: f"{s.kind}-{s.layout}")
+def test_through_a_server_a_batch_is_committed_in_parts_each_sent_while_the_next_copies(tmp_path, request, spec, monkeypatch):
+    """A batch through a server is copied and committed in parts (``COMMIT_PARTS``, none under
+    ``MIN_COMMIT_PART`` pages): each part's commit leaves on the committer thread while the caller's
+    thread copies the next part. Every page reads back byte for byte, in a batch of one part
+    and of several, whatever the parts' count."""
+    from kvtier.integrations.sglang import storage
+
+    monkeypatch.setattr(storage, "MIN_COMMIT_PART", 2)
+    rig = Rig("kvtier_server", tmp_path, request)
+    try:
+        backend, pools = rig.backend(spec)
+        fill_random(pools[PoolName.KV], 5)
+        commits = []
+        commit_each = backend.cache.commit_each
+        monkeypatch.setattr(backend.cache, "commit_each", lambda part: commits.append(
+            (__import__("threading").current_thread().name, len(part))) or commit_each(part))
+        assert store(backend, pools, keys_of("warm")) == [True] * PAGES  # reserves the slots ahead
+        for parts, sizes in ((1, [6]), (3, [2, 2, 2]), (4, [2, 2, 2])):
+            monkeypatch.setattr(storage, "COMMIT_PARTS", parts)
+            commits.clear()
+            keys = keys_of(f"parts{parts}")
+            assert store(backend, pools, keys, first_page=8) == [True] * PAGES
+            assert [n for _, n in commits] == sizes
+            assert all(thread.startswith("kvtier-commit") for thread, _ in commits)
+            assert load(backend, pools, keys) == [True] * PAGES
+            assert_same_pages(pools, PAGES, src=8)
+    finally:
+        rig.close()
+
+
+def test_a_part_that_fails_to_copy_is_aborted_with_the_parts_after_it(tmp_path, request, monkeypatch):
+    """A copy that fails in the second of three parts: the first part is committed (a later
+    lookup finds its pages), the second and third are aborted (their slots go back, nothing of
+    them is readable), and the call answers False for the batch without raising into SGLang."""
+    from kvtier.integrations.sglang import storage
+    from kvtier.integrations.sglang.pools import BoundPool
+
+    monkeypatch.setattr(storage, "MIN_COMMIT_PART", 2)
+    monkeypatch.setattr(storage, "COMMIT_PARTS", 3)
+    rig = Rig("kvtier_server", tmp_path, request)
+    try:
+        backend, pools = rig.backend(PoolSpec())
+        fill_random(pools[PoolName.KV], 6)
+        assert store(backend, pools, keys_of("warm")) == [True] * PAGES
+        copy_out_each, calls = BoundPool.copy_out_each, []
+
+        def failing(self, starts, dests):
+            calls.append(len(starts))
+            if len(calls) == 2:
+                raise RuntimeError("copy failed")
+            return copy_out_each(self, starts, dests)
+
+        monkeypatch.setattr(BoundPool, "copy_out_each", failing)
+        aborted = []
+        abort = backend.cache.key_store.abort
+        monkeypatch.setattr(backend.cache.key_store, "abort", lambda slots: aborted.extend(slots) or abort(slots))
+        keys = keys_of("broken")
+        assert store(backend, pools, keys) == [False] * PAGES
+        assert calls == [2, 2]
+        assert len(aborted) == 4
+        assert backend.batch_exists_v2(keys, []).kv_hit_pages == 2
+        monkeypatch.setattr(BoundPool, "copy_out_each", copy_out_each)
+        assert load(backend, pools, keys) == [True, True] + [False] * (PAGES - 2)
+        for i in range(2):
+            assert torch.equal(page(pools[PoolName.KV], 1 + i), page(pools[PoolName.KV], 40 + i))
+        assert store(backend, pools, keys) == [True] * PAGES  # the aborted slots are not held: stored now
+        assert backend.batch_exists_v2(keys, []).kv_hit_pages == PAGES
+    finally:
+        rig.close()
+
+
 def test_v1_and_generic_calls_move_the_same_pages(rig):
     """SGLang's older paths: ``batch_set``/``batch_get`` with page tensors, ``*_v1`` with host indices."""
     backend, pools = rig.backend(PoolSpec())

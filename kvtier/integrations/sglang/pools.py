@@ -11,6 +11,7 @@ and the object header both name the layout.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from dataclasses import dataclass
 from typing import Sequence
@@ -128,30 +129,34 @@ class BoundPool:
 
     def _run(self, starts: Sequence[int], dests: Sequence[memoryview]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(source, destination) tensors of all the pages, each of shape (pages, *page), where both
-        are evenly spaced: checked page by page, so that the run's page i is exactly the pool's
-        page at ``starts[i]`` and exactly ``dests[i]``; None where they are not."""
-        views = [self.pool.get_data_page(start, flat=False) for start in starts]
-        first = views[0]
+        are evenly spaced, else None. The host slots are checked one by one, the pool's views at
+        the run's first, second and last page (SGLang's host pools slice one buffer by slot, so
+        its page i of an evenly spaced run is then exactly the view the run gives), and every
+        dest's address (``ctypes``: a tenth of a tensor's cost a view)."""
+        n, step = len(starts), starts[1] - starts[0]
+        if step <= 0 or any(b - a != step for a, b in zip(starts, starts[1:])):
+            return None
+        first, second, last = (self.pool.get_data_page(start, flat=False) for start in (starts[0], starts[1], starts[-1]))
         if first.numel() != self.page_elements or first.dtype != self.page_dtype:
             return None
         shape, stride, origin = first.shape, first.stride(), first.storage_offset()
-        storage, step = first.untyped_storage().data_ptr(), views[1].storage_offset() - origin
-        for i, view in enumerate(views):
-            if (view.storage_offset() != origin + i * step or view.shape != shape or view.stride() != stride
+        storage, gap = first.untyped_storage().data_ptr(), second.storage_offset() - origin
+        for i, view in ((1, second), (n - 1, last)):
+            if (view.storage_offset() != origin + i * gap or view.shape != shape or view.stride() != stride
                     or view.untyped_storage().data_ptr() != storage):
                 return None
         buffer = dests[0].obj  # the buffer the dests are views of (an arena), if it holds them all
-        if any(dest.obj is not buffer or len(dest) != self.page_bytes for dest in dests):
+        if any(dest.obj is not buffer or len(dest) != self.page_bytes or dest.readonly for dest in dests):
             return None
         whole = torch.frombuffer(buffer, dtype=torch.uint8)
-        addresses = [torch.frombuffer(dest, dtype=torch.uint8).data_ptr() - whole.data_ptr() for dest in dests]
-        at, gap, item = addresses[0], addresses[1] - addresses[0], first.element_size()
-        if at % item or gap % item or gap < self.page_bytes or any(a != at + i * gap for i, a in enumerate(addresses)):
+        addresses = [ctypes.addressof(ctypes.c_char.from_buffer(dest)) - whole.data_ptr() for dest in dests]
+        at, spacing, item = addresses[0], addresses[1] - addresses[0], first.element_size()
+        if (at % item or spacing % item or spacing < self.page_bytes
+                or any(a != at + i * spacing for i, a in enumerate(addresses))):
             return None
-        n = len(views)
-        dst = whole[at : at + (n - 1) * gap + self.page_bytes].view(self.page_dtype)
-        dst = dst.as_strided((n, self.page_elements), (gap // item, 1)).view(n, *shape)
-        return first.as_strided((n, *shape), (step, *stride), origin), dst
+        dst = whole[at : at + (n - 1) * spacing + self.page_bytes].view(self.page_dtype)
+        dst = dst.as_strided((n, self.page_elements), (spacing // item, 1)).view(n, *shape)
+        return first.as_strided((n, *shape), (gap, *stride), origin), dst
 
     def tensor_out(self, page: torch.Tensor, dest: memoryview) -> None:
         """A page tensor SGLang hands (a flat data page) into ``dest``."""
