@@ -70,6 +70,12 @@ def _page_starts(pool: BoundPool, keys: list[str], host_indices: torch.Tensor | 
     return host_indices[:: pool.page_size].tolist()
 
 
+def _part_ends(n: int) -> list[int]:
+    """Where the parts of ``n`` slots end: ``COMMIT_PARTS`` alike, none under ``MIN_COMMIT_PART``."""
+    size = max(MIN_COMMIT_PART, -(-n // COMMIT_PARTS))
+    return [min(end, n) for end in range(size, n + size, size)]
+
+
 def _finished(result) -> Future:
     future: Future = Future()
     future.set_result(result)
@@ -295,8 +301,8 @@ class KvtierStorage(HiCacheStorage):
         process's own work). A part that fails to fill is aborted with every part after it; the
         parts before it are committed."""
         remote = self._committer is not None
-        size = max(MIN_COMMIT_PART, -(-len(lent) // COMMIT_PARTS)) if remote else len(lent)
-        parts = [lent[i : i + size] for i in range(0, len(lent), size)]
+        cuts = _part_ends(len(lent)) if remote else [len(lent)]
+        parts = [lent[start:end] for start, end in zip([0, *cuts], cuts)]
         commits: list[Future] = []
         try:
             for n, part in enumerate(parts):
