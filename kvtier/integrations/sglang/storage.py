@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,13 +41,6 @@ from kvtier.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-#: Through a server, a write's pages are copied and committed in this many parts, each part's
-#: commit (the server binds and indexes its pages, on its own core) overlapping the next part's
-#: copies: a 128-page MLA write took the copies plus a 2-3 ms commit, one after the other.
-COMMIT_PARTS = 4
-#: No part smaller than this many pages (a commit has a fixed cost: a round trip, the server's bookkeeping).
-MIN_COMMIT_PART = 8
-
 
 def _salt(extra_info: HiCacheStorageExtraInfo | None) -> bytes:
     """A request's cache salt where SGLang hands one in ``extra_info`` (0.5.23 folds it into the
@@ -70,18 +62,6 @@ def _page_starts(pool: BoundPool, keys: list[str], host_indices: torch.Tensor | 
     return host_indices[:: pool.page_size].tolist()
 
 
-def _part_ends(n: int) -> list[int]:
-    """Where the parts of ``n`` slots end: ``COMMIT_PARTS`` alike, none under ``MIN_COMMIT_PART``."""
-    size = max(MIN_COMMIT_PART, -(-n // COMMIT_PARTS))
-    return [min(end, n) for end in range(size, n + size, size)]
-
-
-def _finished(result) -> Future:
-    future: Future = Future()
-    future.set_result(result)
-    return future
-
-
 class KvtierStorage(HiCacheStorage):
     """The backend; SGLang's factory builds it as ``KvtierStorage(storage_config, kwargs)``."""
 
@@ -101,8 +81,6 @@ class KvtierStorage(HiCacheStorage):
         self._logged: set[str] = set()
         self._lock = threading.Lock()
         self._metrics = StorageMetrics()  # SGLang's per-call figures since its last get_stats
-        # a server's commits, sent while the caller's thread copies the next part (``_fill_and_commit``)
-        self._committer = ThreadPoolExecutor(1, "kvtier-commit") if self.config.url is not None else None
 
     def _open_store(self):
         c = self.config
@@ -116,8 +94,6 @@ class KvtierStorage(HiCacheStorage):
         return open_shared_store(c.store)  # several backends of one process (tests' TP ranks) share it
 
     def close(self) -> None:
-        if self._committer is not None:
-            self._committer.shutdown()
         if self.config.url is None:
             from kvtier.build import close_shared_store
 
@@ -289,32 +265,13 @@ class KvtierStorage(HiCacheStorage):
         if lent is None:
             held = self.cache.store_each(groups, lambda span, dest: pages([index[span.key]], [dest]), tenant=tenant)
         else:
-            held = self._fill_and_commit(lent, lambda part: pages([index[span.key] for _, span, _ in part],
-                                                                  [slot.view[HEADER_SIZE:] for _, _, slot in part]))
+            try:
+                pages([index[span.key] for _, span, _ in lent], [slot.view[HEADER_SIZE:] for _, _, slot in lent])
+            except BaseException:
+                self.cache.key_store.abort([slot for _, _, slot in lent])
+                raise
+            held = self.cache.commit_each(lent)
         self._measured(pool, sum(held), start, self._metrics.backup_pgs, self._metrics.backup_bandwidth)
-        return held
-
-    def _fill_and_commit(self, lent: list, fill: Callable[[list], None]) -> list[bool]:
-        """``fill`` the lent slots and commit them: through a server in parts, each part's commit
-        sent from the committer thread as soon as the part is filled, while this thread fills the
-        next (the server binds a part on its own core); embedded, at once (a commit there is this
-        process's own work). A part that fails to fill is aborted with every part after it; the
-        parts before it are committed."""
-        remote = self._committer is not None
-        cuts = _part_ends(len(lent)) if remote else [len(lent)]
-        parts = [lent[start:end] for start, end in zip([0, *cuts], cuts)]
-        commits: list[Future] = []
-        try:
-            for n, part in enumerate(parts):
-                try:
-                    fill(part)
-                except BaseException:
-                    self.cache.key_store.abort([slot for later in parts[n:] for _, _, slot in later])
-                    raise
-                commits.append(self._committer.submit(self.cache.commit_each, part) if remote
-                               else _finished(self.cache.commit_each(part)))
-        finally:
-            held = [ok for commit in commits for ok in commit.result()]
         return held
 
     def _write_from_host(self, pool: BoundPool, keys, host_indices, extra_info) -> list[bool]:
