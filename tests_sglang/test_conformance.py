@@ -132,8 +132,9 @@ def test_set_exists_get_are_byte_exact(rig, spec):
 def test_a_run_of_pages_into_slots_reserved_ahead_is_one_copy_and_byte_exact(tmp_path, request, spec, monkeypatch):
     """Through a server, a batch goes into the slots the one before left reserved ahead: a run of
     consecutive host pages into slots reserved together is one strided copy (page by page, the
-    Python around each copy cost a third of it), checked page by page to be exactly the pool's
-    pages; scattered host pages go page by page. Both read back byte for byte."""
+    Python around each copy cost a third of it), checked to be exactly the pool's pages (every
+    host slot's spacing, the pool's views at the run's first, second and last page, every slot's
+    address); scattered host pages go page by page. Both read back byte for byte."""
     from kvtier.integrations.sglang.pools import BoundPool
 
     rig = Rig("kvtier_server", tmp_path, request)
