@@ -141,6 +141,8 @@ class BoundPool:
             return None
         shape, stride, origin = first.shape, first.stride(), first.storage_offset()
         storage, gap = first.untyped_storage().data_ptr(), second.storage_offset() - origin
+        if gap <= 0:  # one view for two slots, or pages laid out backwards: page by page
+            return None
         for i, view in ((1, second), (n - 1, last)):
             if (view.storage_offset() != origin + i * gap or view.shape != shape or view.stride() != stride
                     or view.untyped_storage().data_ptr() != storage):
