@@ -162,6 +162,23 @@ def test_a_run_of_pages_into_slots_reserved_ahead_is_one_copy_and_byte_exact(tmp
         rig.close()
 
 
+def test_a_run_over_pages_laid_out_backwards_is_copied_page_by_page():
+    """Host slots evenly spaced, but the pool's pages at falling addresses (no SGLang pool lays
+    them out so; a duck-typed one may): no strided copy of the run, every page by itself, right."""
+    from kvtier.integrations.sglang.pools import BoundPool
+    from kvtier.keys import Namespace
+
+    pages, elements = 4, 8
+    buffer = torch.arange(pages * elements, dtype=torch.float32).view(pages, elements)
+    pool = __import__("types").SimpleNamespace(get_data_page=lambda start, flat=False: buffer[pages - 1 - start])
+    bound = BoundPool("kv", pool, Namespace("m", None), 1, 1, elements * 4, torch.float32, elements)
+    arena = memoryview(bytearray(pages * elements * 4))
+    dests = [arena[i * elements * 4 : (i + 1) * elements * 4] for i in range(pages)]
+    bound.copy_out_each(list(range(pages)), dests)
+    got = torch.frombuffer(arena, dtype=torch.float32).view(pages, elements)
+    assert torch.equal(got, buffer.flip(0))
+
+
 def test_v1_and_generic_calls_move_the_same_pages(rig):
     """SGLang's older paths: ``batch_set``/``batch_get`` with page tensors, ``*_v1`` with host indices."""
     backend, pools = rig.backend(PoolSpec())
