@@ -4,7 +4,8 @@
     retrieve  the cached chunks of a token range as raw KV, checked against the layout
     store     per chunk not cached yet: reserve a slot, fill it with raw KV, seal it, commit
     lend      slots for chunks taken without waiting (a caller that must not wait fills them),
-              then commit_filled: seal, commit
+              then commit_filled: seal, commit; or fill_and_commit: fill, seal and commit
+              part by part
 
 The same cache serves an embedded ``TieredStore`` and a ``KvtierClient`` of ``kvtier server``,
 and every engine integration (vLLM's connector, transformers, CacheBlend). Callers that keep
@@ -269,25 +270,58 @@ class TokenCache:
         if not slots:
             return []
         try:
-            for namespace, span, reservation in slots:
-                seal(reservation.view, span.key, namespace.layout, span.num_tokens, checksum=reservation.checksum)
+            self._seal(slots)
         except BaseException:
             self.key_store.abort([r for _, _, r in slots])
             raise
-        committed = self.key_store.commit([r for _, _, r in slots])
+        return self._counted(slots, self.key_store.commit([r for _, _, r in slots]))
+
+    def fill_and_commit(
+        self, slots: Sequence[tuple[Namespace, ChunkSpan, Reservation]],
+        fill: Callable[[Sequence[tuple[Namespace, ChunkSpan, Reservation]]], None],
+    ) -> list[bool]:
+        """``commit_each`` of lent slots that ``fill(part)`` writes (each chunk's raw KV at
+        ``HEADER_SIZE`` of its slot), a part at a time: a key store behind a socket commits one
+        part while the next is filled (``KeyStore.commit_filling``). Where filling fails, every
+        slot is given back (a part committed already stays stored) and the error raised."""
+        if not slots:
+            return []
+
+        def filled(a: int, b: int) -> None:
+            fill(slots[a:b])
+            self._seal(slots[a:b])
+
+        try:
+            committed = self.key_store.commit_filling([r for _, _, r in slots], filled)
+        except BaseException:
+            self.key_store.abort([r for _, _, r in slots])
+            raise
+        return self._counted(slots, committed)
+
+    @staticmethod
+    def _seal(slots: Sequence[tuple[Namespace, ChunkSpan, Reservation]]) -> None:
+        for namespace, span, reservation in slots:
+            seal(reservation.view, span.key, namespace.layout, span.num_tokens, checksum=reservation.checksum)
+
+    def _counted(self, slots: Sequence[tuple[Namespace, ChunkSpan, Reservation]], committed: Sequence[bool]) -> list[bool]:
         stored = [span for (_, span, _), ok in zip(slots, committed) if ok]
         self.stats.dropped_chunks += len(slots) - len(stored)
         self.stats.stored_chunks += len(stored)
         self.stats.stored_tokens += sum(s.num_tokens for s in stored)
         return [bool(ok) for ok in committed]
 
-    @classmethod
-    def _flat(cls, groups: Sequence[tuple[Namespace, Sequence[ChunkSpan]]]
-              ) -> tuple[list[tuple[Namespace, ChunkSpan]], list[tuple[bytes, int]]]:
-        """Every group's spans in order, each with its namespace, and their (key, object size) items."""
-        spans = [(namespace, span) for namespace, group in groups for span in group]
-        return spans, [item for namespace, span in spans for item in cls._items(namespace, [span])]
-
     @staticmethod
-    def _items(namespace: Namespace, spans: Sequence[ChunkSpan]) -> list[tuple[bytes, int]]:
-        return [(s.key, object_size(namespace.layout.payload_bytes(s.num_tokens))) for s in spans]
+    def _flat(groups: Sequence[tuple[Namespace, Sequence[ChunkSpan]]]
+              ) -> tuple[list[tuple[Namespace, ChunkSpan]], list[tuple[bytes, int]]]:
+        """Every group's spans in order, each with its namespace, and their (key, object size)
+        items (a size worked out once per group and span length: a store names a page each)."""
+        spans, items = [], []
+        for namespace, group in groups:
+            sizes: dict[int, int] = {}
+            for span in group:
+                size = sizes.get(span.num_tokens)
+                if size is None:
+                    size = sizes[span.num_tokens] = object_size(namespace.layout.payload_bytes(span.num_tokens))
+                spans.append((namespace, span))
+                items.append((span.key, size))
+        return spans, items

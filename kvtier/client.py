@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 import zmq
@@ -247,9 +247,11 @@ class KvtierClient:
             self._socket.close(linger=0)
             self._socket = None
 
-    def _roundtrip(self, request, frames: Sequence, deadline: float) -> tuple[object, list]:
+    def _roundtrip(self, request, frames: Sequence, deadline: float,
+                   during: Callable[[], None] | None = None) -> tuple[object, list]:
         """Send and receive under socket timeouts (no poll calls: a round trip costs what a bare
-        ZeroMQ one does)."""
+        ZeroMQ one does); ``during`` (which must not raise) runs between the two, while the
+        server works."""
         sock = self._socket
         try:
             sock.setsockopt(zmq.SNDTIMEO, _remaining_ms(deadline))  # a send waits only for a peer to connect
@@ -257,6 +259,8 @@ class KvtierClient:
                 sock.send_multipart([p.encode(request), *frames], copy=False)  # kept alive until sent
             else:
                 sock.send(p.encode(request))
+            if during is not None:
+                during()
             sock.setsockopt(zmq.RCVTIMEO, _remaining_ms(deadline))
             head = sock.recv()
             # object frames without a copy (a small reply is cheaper as bytes)
@@ -270,10 +274,11 @@ class KvtierClient:
         return reply, [part.buffer for part in parts]
 
     def _call(self, request, frames: Sequence = (), deadline: float | None = None,
-              session: bytes | None = None) -> tuple[object, list]:
+              session: bytes | None = None, during: Callable[[], None] | None = None) -> tuple[object, list]:
         """One request and its reply within the deadline, or Unavailable. ``request`` may be a
         function of nothing, called once connected (requests that name the arena). It goes in
-        our session, which a server that forgot it is asked for again (once), or in ``session``."""
+        our session, which a server that forgot it is asked for again (once), or in ``session``.
+        ``during``: work to do while the server answers (``_roundtrip``; done once at most)."""
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
         with self._lock:
             for retry in (True, False):
@@ -288,8 +293,9 @@ class KvtierClient:
                         else:  # the handles we are done with ride along
                             done, self._done = self._done, []
                             built = msgspec.structs.replace(built, done=[*built.done, *done], session=mine)
-                        reply = self._roundtrip(built, frames, deadline)
+                        reply = self._roundtrip(built, frames, deadline, during)
                 except StaleSession:
+                    during = None  # it ran: the reply came after it
                     if retry and session is None:
                         continue  # hello again (a new session: the old one's handles are gone)
                     raise
@@ -619,13 +625,48 @@ class KvtierClient:
 
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         """One ``Commit``, which names each object and refills the pool of slots reserved ahead."""
+        return self._commit(reservations)
+
+    def commit_filling(self, reservations: Sequence[Reservation], fill: Callable[[int, int], None]) -> list[bool]:
+        """Slots lent from the pool, filled and sealed by ``fill(a, b)`` (``reservations[a:b]``),
+        committed in two halves: the first half's ``Commit`` (with the pool's refill for the whole
+        store) is sent as soon as it is filled, and the server works on it while the second half
+        is filled, so that only the second half's commit is waited for. A half that would reach
+        no server is not filled: its slots go back to the pool, not stored."""
+        n, half = len(reservations), len(reservations) // 2
+        if not half or not reservations[0].slot:
+            fill(0, n)
+            return self.commit(reservations)
+        fill(0, half)
+        outcome: list[BaseException | None] = []
+
+        def fill_second() -> None:
+            try:
+                fill(half, n)
+            except BaseException as exc:  # the caller's, not the server's: raised once the answer is read
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+
+        first = self._commit(reservations[:half], during=fill_second, ahead_for=reservations)
+        if not outcome:  # the first commit never reached the server
+            self.abort(reservations[half:])
+            return first + [False] * (n - half)
+        if outcome[0] is not None:
+            raise outcome[0]
+        return first + self._commit(reservations[half:])
+
+    def _commit(self, reservations: Sequence[Reservation], during: Callable[[], None] | None = None,
+                ahead_for: Sequence[Reservation] = ()) -> list[bool]:
+        """``commit``, doing ``during`` while the server commits (``_roundtrip``), refilling the
+        pool for a store of ``ahead_for`` (default: these reservations)."""
         if not reservations:
             return []
         records = [r.record for r in reservations] if any(r.record for r in reservations) else []
         try:
             if reservations[0].slot:
                 try:
-                    return self._commit_slots(reservations, records)
+                    return self._commit_slots(reservations, records, during, ahead_for or reservations)
                 except StaleArena:  # the server restarted since the slots were lent: send the objects
                     return self._put(reservations, records, [_sealed_copy(r.view) for r in reservations])
             return self._put(reservations, records, [r.view for r in reservations])
@@ -635,15 +676,16 @@ class KvtierClient:
         finally:
             self._done_with(reservations)
 
-    def _commit_slots(self, reservations: Sequence[Reservation], records: list[bytes]) -> list[bool]:
+    def _commit_slots(self, reservations: Sequence[Reservation], records: list[bytes],
+                      during: Callable[[], None] | None, ahead_for: Sequence[Reservation]) -> list[bool]:
         """The slots named in the arena they are in (a restarted server refuses them as stale)."""
         with self._lock:
             for r in reservations:
                 self._lent.pop(r.slot, None)
-            ahead = self._ahead_wanted([len(r.view) for r in reservations])
+            ahead = self._ahead_wanted([len(r.view) for r in ahead_for])
             commit = p.Commit(slots=[r.slot for r in reservations], keys=[r.key for r in reservations],
                               records=records, ahead=ahead, arena=reservations[0].arena, tenant=reservations[0].tenant)
-            reply, _ = self._call(commit)
+            reply, _ = self._call(commit, during=during)
             self._add_ahead(reply, ahead)
         return list(reply.committed)
 

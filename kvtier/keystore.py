@@ -17,7 +17,7 @@ back, and fills and seals objects. A key store never sees a token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import msgspec
 
@@ -137,6 +137,11 @@ class KeyStore(Protocol):
 
     def commit(self, reservations: Sequence[Reservation]) -> list[bool]:
         """Make filled, sealed slots visible; True for each that now is."""
+
+    def commit_filling(self, reservations: Sequence[Reservation], fill: Callable[[int, int], None]) -> list[bool]:
+        """``commit`` of slots ``lend`` gave, which ``fill(a, b)`` fills and seals part by part
+        (``reservations[a:b]``): a store behind a socket commits one part while the next is
+        filled. A part the store could not commit anyway may be left unfilled (not stored)."""
 
     def abort(self, reservations: Sequence[Reservation]) -> None: ...
 

@@ -718,6 +718,99 @@ def test_lend_gives_every_slot_from_the_pool_without_a_call_or_none(server):
     client.close()
 
 
+def test_fill_and_commit_commits_the_first_half_while_the_second_is_filled(server):
+    """The first half's commit is on the server before the second half is filled: another
+    client finds those chunks from inside the second half's fill (a fill of everything before
+    one commit never shows them there); two commits in all, every chunk read back exact."""
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
+    watcher = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+    cache = TokenCache(client)
+    first = tokens(88_000, 64)
+    assert cache.store(NS, first, fill_for(first)) == 4  # the pool now holds four slots
+    toks = tokens(87_000, 64)
+    spans = cache.spans(NS, toks)
+    lent = cache.lend_spans([(NS, spans)])
+    fill, parts, seen = fill_for(toks), [], []
+
+    def fill_part(part):
+        if parts:  # the second half: wait (within 5 s) for the first half to be found by another client
+            deadline = time.monotonic() + 5
+            while len(watcher.locate(spans).tiers) < len(parts[0]) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            seen.append(len(watcher.locate(spans).tiers))
+        parts.append([span for _, span, _ in part])
+        for _, span, slot in part:
+            fill(span, slot.view[HEADER_SIZE:])
+
+    before = requests_of(server)
+    assert cache.fill_and_commit(lent, fill_part) == [True] * 4
+    assert parts == [spans[:2], spans[2:]] and seen == [2]
+    assert requests_of(server)["commit"] - before["commit"] == 2
+    with cache.retrieve(NS, toks) as r:
+        assert r.num_tokens == 64 and retrieved_is_exact(r, toks)
+    client.close()
+    watcher.close()
+
+
+def test_fill_and_commit_whose_second_fill_fails_keeps_the_first_half_and_the_client_in_step(server):
+    """A fill that raises midway (a ValueError, as a page of the wrong size raises): the error
+    reaches the caller, never taken for the server's, the half committed before it stays (whole
+    chunks, exact), the rest is never visible, and the client's next store works (its socket
+    read the first commit's answer, and it is not backing off)."""
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
+    cache = TokenCache(client)
+    first = tokens(86_000, 64)
+    assert cache.store(NS, first, fill_for(first)) == 4
+    toks = tokens(85_000, 64)
+    lent = cache.lend_spans([(NS, cache.spans(NS, toks))])
+    fill, calls = fill_for(toks), []
+
+    def fill_part(part):
+        calls.append(len(part))
+        if len(calls) == 2:
+            raise ValueError("a page that cannot be read")
+        for _, span, slot in part:
+            fill(span, slot.view[HEADER_SIZE:])
+
+    with pytest.raises(ValueError, match="cannot be read"):
+        cache.fill_and_commit(lent, fill_part)
+    assert client.stats.server_errors == 0 and client.reachable
+    assert cache.lookup(NS, toks).hit_tokens == 32
+    with cache.retrieve(NS, toks) as r:
+        assert r.num_tokens == 32 and retrieved_is_exact(r, toks[:32])
+    again = tokens(84_000, 48)
+    assert cache.store(NS, again, fill_for(again)) == 3
+    with cache.retrieve(NS, again) as r:
+        assert r.num_tokens == 48 and retrieved_is_exact(r, again)
+    client.close()
+
+
+def test_fill_and_commit_to_a_stopped_server_drops_the_store_in_time():
+    """The server goes away between the lend and the commit: nothing is stored, the store is
+    counted as dropped, and the call takes no longer than the client's timeout allows."""
+    server = start_server()
+    client = KvtierClient(url_of(server), timeout_s=0.5, reserve_ahead_bytes=POOL)
+    cache = TokenCache(client)
+    try:
+        first = tokens(83_000, 64)
+        assert cache.store(NS, first, fill_for(first)) == 4
+        toks = tokens(82_000, 64)
+        lent = cache.lend_spans([(NS, cache.spans(NS, toks))])
+    except BaseException:
+        server.stop()
+        raise
+    server.stop()
+    try:
+        fill = fill_for(toks)
+        start = time.monotonic()
+        done = cache.fill_and_commit(lent, lambda part: [fill(span, slot.view[HEADER_SIZE:]) for _, span, slot in part])
+        assert done == [False] * 4
+        assert time.monotonic() - start < 2.5
+        assert client.stats.dropped_stores >= 1
+    finally:
+        client.close()
+
+
 def test_a_lend_refused_for_a_short_pool_grows_the_pool_to_what_it_asked(server):
     """A job of several groups' objects asks for more slots than any one store named: the
     commits that follow refill the pool for the whole job, so the next such job is lent its

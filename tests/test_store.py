@@ -7,6 +7,7 @@ import pytest
 from kvtier.cache import TokenCache
 from kvtier.keys import Namespace
 from kvtier.layout import KVLayout
+from kvtier.objects import HEADER_SIZE, object_size
 from kvtier.store import TieredStore
 from kvtier.tiers.memory import MemoryTier
 from kvtier_testing.page_cache import cached, drop
@@ -102,6 +103,40 @@ def test_failing_fill_leaves_nothing_visible():
         cache.store(NS, tokens, fill)
     assert cache.lookup(NS, tokens).hit_tokens == 0
     assert store.l1.usage().objects == 0 and store.l1.usage().used_bytes == 0
+
+
+def test_fill_and_commit_over_an_embedded_store_fills_everything_at_once_or_stores_nothing():
+    """``KeyStore.commit_filling`` of a store in this process: no round trip to overlap, so one
+    fill of every slot, then the commit; a fill that fails leaves nothing visible."""
+    store = make_store()
+    cache = TokenCache(store)
+    tokens = np.arange(200, 248)
+    spans = cache.spans(NS, tokens)
+    items = [(span.key, object_size(LAYOUT.payload_bytes(span.num_tokens))) for span in spans]
+    parts = []
+
+    def fill(part):
+        parts.append(len(part))
+        for _, span, slot in part:
+            fill_for(tokens)(span, slot.view[HEADER_SIZE:])
+
+    assert cache.fill_and_commit([(NS, s, r) for s, r in zip(spans, store.reserve(items))], fill) == [True] * 3
+    assert parts == [3]
+    with cache.retrieve(NS, tokens) as r:
+        got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
+    np.testing.assert_array_equal(got, kv_of(tokens))
+
+    others = np.arange(300, 348)
+    spans = cache.spans(NS, others)
+    items = [(span.key, object_size(LAYOUT.payload_bytes(span.num_tokens))) for span in spans]
+    objects = store.l1.usage().objects
+
+    def failing(part):
+        raise RuntimeError("engine failed mid-store")
+
+    with pytest.raises(RuntimeError):
+        cache.fill_and_commit([(NS, s, r) for s, r in zip(spans, store.reserve(items))], failing)
+    assert cache.lookup(NS, others).hit_tokens == 0 and store.l1.usage().objects == objects
 
 
 def test_store_stops_at_the_first_chunk_without_room():

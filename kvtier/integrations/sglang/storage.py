@@ -254,7 +254,8 @@ class KvtierStorage(HiCacheStorage):
                pages: Callable[[list[int], list[memoryview]], None]) -> list[bool]:
         """Store ``keys``' pages not stored yet; ``pages(indexes, dests)`` writes page
         ``indexes[j]``'s bytes into ``dests[j]``. Through a server, into slots it reserved ahead
-        (no round trip before the copies; all of them in one call), else reserved now."""
+        (no round trip before the copies), committed in two parts, the first while the second
+        is copied (``TokenCache.fill_and_commit``); else reserved now."""
         if not self._writes(pool):
             return [True] * len(keys)  # the MLA storage writer stores these very pages
         spans = pool.spans(keys, _first_page(extra_info), _salt(extra_info))
@@ -265,12 +266,8 @@ class KvtierStorage(HiCacheStorage):
         if lent is None:
             held = self.cache.store_each(groups, lambda span, dest: pages([index[span.key]], [dest]), tenant=tenant)
         else:
-            try:
-                pages([index[span.key] for _, span, _ in lent], [slot.view[HEADER_SIZE:] for _, _, slot in lent])
-            except BaseException:
-                self.cache.key_store.abort([slot for _, _, slot in lent])
-                raise
-            held = self.cache.commit_each(lent)
+            held = self.cache.fill_and_commit(lent, lambda part: pages([index[span.key] for _, span, _ in part],
+                                                                       [slot.view[HEADER_SIZE:] for _, _, slot in part]))
         self._measured(pool, sum(held), start, self._metrics.backup_pgs, self._metrics.backup_bandwidth)
         return held
 
