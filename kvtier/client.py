@@ -251,7 +251,7 @@ class KvtierClient:
                    during: Callable[[], None] | None = None) -> tuple[object, list]:
         """Send and receive under socket timeouts (no poll calls: a round trip costs what a bare
         ZeroMQ one does); ``during`` (which must not raise) runs between the two, while the
-        server works."""
+        server works, and its time is not counted against the server's answer."""
         sock = self._socket
         try:
             sock.setsockopt(zmq.SNDTIMEO, _remaining_ms(deadline))  # a send waits only for a peer to connect
@@ -260,7 +260,9 @@ class KvtierClient:
             else:
                 sock.send(p.encode(request))
             if during is not None:
+                started = time.monotonic()
                 during()
+                deadline += time.monotonic() - started
             sock.setsockopt(zmq.RCVTIMEO, _remaining_ms(deadline))
             head = sock.recv()
             # object frames without a copy (a small reply is cheaper as bytes)

@@ -785,6 +785,31 @@ def test_fill_and_commit_whose_second_fill_fails_keeps_the_first_half_and_the_cl
     client.close()
 
 
+def test_fill_and_commit_does_not_count_a_slow_fill_against_the_servers_answer(server):
+    """The client's timeout is the server's time to answer: a second half that takes longer to
+    fill than the whole timeout (a copy on a loaded host) does not time the first commit out."""
+    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=0.2, reserve_ahead_bytes=POOL)
+    cache = TokenCache(client)
+    first = tokens(76_000, 64)
+    assert cache.store(NS, first, fill_for(first)) == 4
+    toks = tokens(75_000, 64)
+    lent = cache.lend_spans([(NS, cache.spans(NS, toks))])
+    fill, calls = fill_for(toks), []
+
+    def slow(part):
+        calls.append(len(part))
+        if len(calls) == 2:
+            time.sleep(0.4)
+        for _, span, slot in part:
+            fill(span, slot.view[HEADER_SIZE:])
+
+    assert cache.fill_and_commit(lent, slow) == [True] * 4
+    assert client.stats.timeouts == 0
+    with cache.retrieve(NS, toks) as r:
+        assert r.num_tokens == 64 and retrieved_is_exact(r, toks)
+    client.close()
+
+
 def test_fill_and_commit_to_a_stopped_server_drops_the_store_in_time():
     """The server goes away between the lend and the commit: nothing is stored, the store is
     counted as dropped, and the call takes no longer than the client's timeout allows."""
