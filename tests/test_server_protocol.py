@@ -718,32 +718,49 @@ def test_lend_gives_every_slot_from_the_pool_without_a_call_or_none(server):
     client.close()
 
 
-def test_fill_and_commit_commits_the_first_half_while_the_second_is_filled(server):
-    """The first half's commit is on the server before the second half is filled: another
-    client finds those chunks from inside the second half's fill (a fill of everything before
-    one commit never shows them there); two commits in all, every chunk read back exact."""
-    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
-    watcher = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
+def lent_after_a_store(url: str, seed: int, timeout_s: float = 5):
+    """A client whose pool holds four slots (a store of 64 tokens from ``seed + 1000``), and the
+    four lent for the 64 tokens from ``seed``: (client, cache, tokens, lent)."""
+    client = KvtierClient(url, timeout_s=timeout_s, reserve_ahead_bytes=POOL)
     cache = TokenCache(client)
-    first = tokens(88_000, 64)
-    assert cache.store(NS, first, fill_for(first)) == 4  # the pool now holds four slots
-    toks = tokens(87_000, 64)
-    spans = cache.spans(NS, toks)
-    lent = cache.lend_spans([(NS, spans)])
-    fill, parts, seen = fill_for(toks), [], []
+    first = tokens(seed + 1000, 64)
+    assert cache.store(NS, first, fill_for(first)) == 4
+    toks = tokens(seed, 64)
+    return client, cache, toks, cache.lend_spans([(NS, cache.spans(NS, toks))])
+
+
+def filling(toks, before_second=lambda: None):
+    """A ``fill`` for ``fill_and_commit`` that writes ``toks``' KV, calling ``before_second()``
+    before it writes the second part; and the spans of each part, as filled."""
+    fill, parts = fill_for(toks), []
 
     def fill_part(part):
-        if parts:  # the second half: wait (within 5 s) for the first half to be found by another client
-            deadline = time.monotonic() + 5
-            while len(watcher.locate(spans).tiers) < len(parts[0]) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            seen.append(len(watcher.locate(spans).tiers))
+        if parts:
+            before_second()
         parts.append([span for _, span, _ in part])
         for _, span, slot in part:
             fill(span, slot.view[HEADER_SIZE:])
 
+    return fill_part, parts
+
+
+def test_fill_and_commit_commits_the_first_half_while_the_second_is_filled(server):
+    """The first half's commit is on the server before the second half is filled: another
+    client finds those chunks from inside the second half's fill (a fill of everything before
+    one commit never shows them there); two commits in all, every chunk read back exact."""
+    client, cache, toks, lent = lent_after_a_store(url_of(server), 87_000)
+    watcher = KvtierClient(url_of(server), timeout_s=5)
+    spans, seen = [span for _, span, _ in lent], []
+
+    def found_by_another_client():  # within 5 s
+        deadline = time.monotonic() + 5
+        while len(watcher.locate(spans).tiers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen.append(len(watcher.locate(spans).tiers))
+
+    fill, parts = filling(toks, found_by_another_client)
     before = requests_of(server)
-    assert cache.fill_and_commit(lent, fill_part) == [True] * 4
+    assert cache.fill_and_commit(lent, fill) == [True] * 4
     assert parts == [spans[:2], spans[2:]] and seen == [2]
     assert requests_of(server)["commit"] - before["commit"] == 2
     with cache.retrieve(NS, toks) as r:
@@ -757,23 +774,13 @@ def test_fill_and_commit_whose_second_fill_fails_keeps_the_first_half_and_the_cl
     reaches the caller, never taken for the server's, the half committed before it stays (whole
     chunks, exact), the rest is never visible, and the client's next store works (its socket
     read the first commit's answer, and it is not backing off)."""
-    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5, reserve_ahead_bytes=POOL)
-    cache = TokenCache(client)
-    first = tokens(86_000, 64)
-    assert cache.store(NS, first, fill_for(first)) == 4
-    toks = tokens(85_000, 64)
-    lent = cache.lend_spans([(NS, cache.spans(NS, toks))])
-    fill, calls = fill_for(toks), []
+    client, cache, toks, lent = lent_after_a_store(url_of(server), 85_000)
 
-    def fill_part(part):
-        calls.append(len(part))
-        if len(calls) == 2:
-            raise ValueError("a page that cannot be read")
-        for _, span, slot in part:
-            fill(span, slot.view[HEADER_SIZE:])
+    def unreadable():
+        raise ValueError("a page that cannot be read")
 
     with pytest.raises(ValueError, match="cannot be read"):
-        cache.fill_and_commit(lent, fill_part)
+        cache.fill_and_commit(lent, filling(toks, unreadable)[0])
     assert client.stats.server_errors == 0 and client.reachable
     assert cache.lookup(NS, toks).hit_tokens == 32
     with cache.retrieve(NS, toks) as r:
@@ -788,22 +795,8 @@ def test_fill_and_commit_whose_second_fill_fails_keeps_the_first_half_and_the_cl
 def test_fill_and_commit_does_not_count_a_slow_fill_against_the_servers_answer(server):
     """The client's timeout is the server's time to answer: a second half that takes longer to
     fill than the whole timeout (a copy on a loaded host) does not time the first commit out."""
-    client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=0.2, reserve_ahead_bytes=POOL)
-    cache = TokenCache(client)
-    first = tokens(76_000, 64)
-    assert cache.store(NS, first, fill_for(first)) == 4
-    toks = tokens(75_000, 64)
-    lent = cache.lend_spans([(NS, cache.spans(NS, toks))])
-    fill, calls = fill_for(toks), []
-
-    def slow(part):
-        calls.append(len(part))
-        if len(calls) == 2:
-            time.sleep(0.4)
-        for _, span, slot in part:
-            fill(span, slot.view[HEADER_SIZE:])
-
-    assert cache.fill_and_commit(lent, slow) == [True] * 4
+    client, cache, toks, lent = lent_after_a_store(url_of(server), 75_000, timeout_s=0.2)
+    assert cache.fill_and_commit(lent, filling(toks, lambda: time.sleep(0.4))[0]) == [True] * 4
     assert client.stats.timeouts == 0
     with cache.retrieve(NS, toks) as r:
         assert r.num_tokens == 64 and retrieved_is_exact(r, toks)
@@ -814,22 +807,13 @@ def test_fill_and_commit_to_a_stopped_server_drops_the_store_in_time():
     """The server goes away between the lend and the commit: nothing is stored, the store is
     counted as dropped, and the call takes no longer than the client's timeout allows."""
     server = start_server()
-    client = KvtierClient(url_of(server), timeout_s=0.5, reserve_ahead_bytes=POOL)
-    cache = TokenCache(client)
     try:
-        first = tokens(83_000, 64)
-        assert cache.store(NS, first, fill_for(first)) == 4
-        toks = tokens(82_000, 64)
-        lent = cache.lend_spans([(NS, cache.spans(NS, toks))])
-    except BaseException:
+        client, cache, toks, lent = lent_after_a_store(url_of(server), 82_000, timeout_s=0.5)
+    finally:
         server.stop()
-        raise
-    server.stop()
     try:
-        fill = fill_for(toks)
         start = time.monotonic()
-        done = cache.fill_and_commit(lent, lambda part: [fill(span, slot.view[HEADER_SIZE:]) for _, span, slot in part])
-        assert done == [False] * 4
+        assert cache.fill_and_commit(lent, filling(toks)[0]) == [False] * 4
         assert time.monotonic() - start < 2.5
         assert client.stats.dropped_stores >= 1
     finally:
