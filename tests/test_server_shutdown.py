@@ -17,7 +17,7 @@ from kvtier.cache import TokenCache
 from kvtier.client import KvtierClient
 from kvtier.server.main import EXIT_STOP_OVERRUN
 from kvtier.wire.shm import SHM_DIR
-from kvtier_testing.data_port_junk import dealer, malformed_multipart, pong_through, send_raw
+from kvtier_testing.data_port_junk import dealer, malformed_multipart, open_session, pong_through, send_raw
 from kvtier_testing.kvtier_processes import ServerProcess
 from kvtier_testing.workload import NS, fill_for, retrieved_is_exact, tokens
 
@@ -64,9 +64,12 @@ def send_random_connections(port: int, seed: int) -> None:
 
 def send_malformed_multipart(port: int) -> None:
     """Every malformed case, then (once the server has answered a ping after them) messages
-    without an envelope, one or more per worker, so that junk is the last thing it read."""
+    without an envelope, one or more per worker, so that junk is the last thing it read. On an
+    admitted connection: one without a session is cut past 64 KiB (admission.py), and whatever was
+    in flight on it then (the ping or its pong) is lost with it."""
     with zmq.Context() as context:
         sock = dealer(context, port)
+        open_session(sock)
         for frames in malformed_multipart():
             sock.send_multipart(frames)
         assert pong_through(sock), "the server stopped answering"
