@@ -73,6 +73,9 @@ def test_a_killed_master_gives_misses_then_both_servers_recover_after_failover(t
             assert time.monotonic() < deadline, f"no recovery in time: {rounds[-12:]}"
             toks = tokens(1_000_000 * (i + 1), PROMPT)
             assert writer_cache.store(NS, toks, fill_for(toks)) == PROMPT // 16  # host 1's L1 takes it whatever happens
+            while phase == "before" and _redis_stats(first)["puts"] < (i + 1) * PROMPT // 16:
+                assert time.monotonic() < deadline, "host 1 never wrote to the cluster"  # shared once written
+                time.sleep(0.05)
             if previous is not None:  # written to the cluster asynchronously, during the last round
                 with reader_cache.retrieve(NS, previous) as got:
                     assert retrieved_is_exact(got, previous)  # a hit is the right bytes, whatever the cluster did

@@ -718,10 +718,12 @@ def test_lend_gives_every_slot_from_the_pool_without_a_call_or_none(server):
     client.close()
 
 
-def lent_after_a_store(url: str, seed: int, timeout_s: float = 5):
+def lent_after_a_store(url: str, seed: int):
     """A client whose pool holds four slots (a store of 64 tokens from ``seed + 1000``), and the
-    four lent for the 64 tokens from ``seed``: (client, cache, tokens, lent)."""
-    client = KvtierClient(url, timeout_s=timeout_s, reserve_ahead_bytes=POOL)
+    four lent for the 64 tokens from ``seed``: (client, cache, tokens, lent). Its timeout is 5 s:
+    a test of a shorter one sets ``client.timeout_s`` after this set-up, which a stall of the
+    loaded test host must not fail."""
+    client = KvtierClient(url, timeout_s=5, reserve_ahead_bytes=POOL)
     cache = TokenCache(client)
     first = tokens(seed + 1000, 64)
     assert cache.store(NS, first, fill_for(first)) == 4
@@ -795,9 +797,11 @@ def test_fill_and_commit_whose_second_fill_fails_keeps_the_first_half_and_the_cl
 def test_fill_and_commit_does_not_count_a_slow_fill_against_the_servers_answer(server):
     """The client's timeout is the server's time to answer: a second half that takes longer to
     fill than the whole timeout (a copy on a loaded host) does not time the first commit out."""
-    client, cache, toks, lent = lent_after_a_store(url_of(server), 75_000, timeout_s=0.2)
-    assert cache.fill_and_commit(lent, filling(toks, lambda: time.sleep(0.4))[0]) == [True] * 4
+    client, cache, toks, lent = lent_after_a_store(url_of(server), 75_000)
+    client.timeout_s = 0.5
+    assert cache.fill_and_commit(lent, filling(toks, lambda: time.sleep(1.0))[0]) == [True] * 4
     assert client.stats.timeouts == 0
+    client.timeout_s = 5
     with cache.retrieve(NS, toks) as r:
         assert r.num_tokens == 64 and retrieved_is_exact(r, toks)
     client.close()
@@ -808,9 +812,10 @@ def test_fill_and_commit_to_a_stopped_server_drops_the_store_in_time():
     counted as dropped, and the call takes no longer than the client's timeout allows."""
     server = start_server()
     try:
-        client, cache, toks, lent = lent_after_a_store(url_of(server), 82_000, timeout_s=0.5)
+        client, cache, toks, lent = lent_after_a_store(url_of(server), 82_000)
     finally:
         server.stop()
+    client.timeout_s = 0.5
     try:
         start = time.monotonic()
         assert cache.fill_and_commit(lent, filling(toks)[0]) == [False] * 4
