@@ -330,7 +330,8 @@ def test_many_threads_share_one_server(server):
 
 def test_a_lookup_finds_a_partial_chunk_in_the_same_round_trip(server):
     """Where the walk over whole chunks stops, the candidate partial chunks sent with the lookup
-    are tried, longest first: one request, counted once by the server."""
+    are tried, longest first: one request, counted once by the server, its hit tokens (the
+    chunk's and the partial's) counted by tier."""
     from kvtier.keys import prefix_keys
 
     client = KvtierClient(f"tcp://127.0.0.1:{server.config.port}", timeout_s=5)
@@ -338,11 +339,13 @@ def test_a_lookup_finds_a_partial_chunk_in_the_same_round_trip(server):
     toks = tokens(60_000, 40)
     assert cache.store(NS, toks[:24], fill_for(toks)) == 2  # a chunk of 16 and a partial one of 8
     keys = prefix_keys(NS, toks, 16, block_size=4)
-    before = server.service.metrics.traffic()["requests"].get("lookup", 0)
+    before = server.service.metrics.traffic()
     result = cache.lookup_spans(keys.spans, keys.partials)
     assert (result.hit_tokens, [(s.start, s.end) for s in result.spans]) == (24, [(0, 16), (16, 24)])
     assert result.tiers == ["memory", "memory"]
-    assert server.service.metrics.traffic()["requests"]["lookup"] == before + 1
+    after = server.service.metrics.traffic()
+    assert after["requests"]["lookup"] == before["requests"].get("lookup", 0) + 1
+    assert after["hit_tokens"]["memory"] == before["hit_tokens"]["memory"] + 24
     with cache.retrieve_spans(NS, result.spans[1:]) as r:  # from a start: only what is asked for
         assert [c.span for c in r.chunks] == result.spans[1:] and retrieved_is_exact(r, toks)
     client.close()
