@@ -95,14 +95,9 @@ class BoundPool:
     def spans(self, keys: list[str], first_page: int = 0, salt: bytes = b"") -> list[ChunkSpan]:
         """kvtier's key of each of SGLang's page hashes (already chained over the prefix) in this
         pool's namespace, ``salt`` a request's own; ``first_page``: where ``keys`` start."""
-        root, t = self.namespace.root, self.page_tokens
-        spans = []
-        for i, key in enumerate(keys):
-            h = blake3.blake3(root)
-            h.update(len(salt).to_bytes(4, "little") + salt)
-            h.update(key.encode())
-            spans.append(ChunkSpan(h.digest(KEY_SIZE), (first_page + i) * t, (first_page + i + 1) * t))
-        return spans
+        head, t = self.namespace.root + len(salt).to_bytes(4, "little") + salt, self.page_tokens
+        return [ChunkSpan(blake3.blake3(head + key.encode()).digest(KEY_SIZE), (first_page + i) * t, (first_page + i + 1) * t)
+                for i, key in enumerate(keys)]
 
     # -- pages --------------------------------------------------------------------------------
 
