@@ -110,9 +110,13 @@ def test_fill_and_commit_over_an_embedded_store_fills_everything_at_once_or_stor
     fill of every slot, then the commit; a fill that fails leaves nothing visible."""
     store = make_store()
     cache = TokenCache(store)
+
+    def reserved(tokens):
+        spans = cache.spans(NS, tokens)
+        return [(NS, span, r) for span, r in zip(spans, store.reserve(
+            [(span.key, object_size(LAYOUT.payload_bytes(span.num_tokens))) for span in spans]))]
+
     tokens = np.arange(200, 248)
-    spans = cache.spans(NS, tokens)
-    items = [(span.key, object_size(LAYOUT.payload_bytes(span.num_tokens))) for span in spans]
     parts = []
 
     def fill(part):
@@ -120,22 +124,20 @@ def test_fill_and_commit_over_an_embedded_store_fills_everything_at_once_or_stor
         for _, span, slot in part:
             fill_for(tokens)(span, slot.view[HEADER_SIZE:])
 
-    assert cache.fill_and_commit([(NS, s, r) for s, r in zip(spans, store.reserve(items))], fill) == [True] * 3
+    assert cache.fill_and_commit(reserved(tokens), fill) == [True] * 3
     assert parts == [3]
     with cache.retrieve(NS, tokens) as r:
         got = np.concatenate([np.frombuffer(c.payload, dtype=np.float32) for c in r.chunks])
     np.testing.assert_array_equal(got, kv_of(tokens))
 
     others = np.arange(300, 348)
-    spans = cache.spans(NS, others)
-    items = [(span.key, object_size(LAYOUT.payload_bytes(span.num_tokens))) for span in spans]
     objects = store.l1.usage().objects
 
     def failing(part):
         raise RuntimeError("engine failed mid-store")
 
     with pytest.raises(RuntimeError):
-        cache.fill_and_commit([(NS, s, r) for s, r in zip(spans, store.reserve(items))], failing)
+        cache.fill_and_commit(reserved(others), failing)
     assert cache.lookup(NS, others).hit_tokens == 0 and store.l1.usage().objects == objects
 
 
