@@ -120,22 +120,29 @@ def prefix_keys(
 ) -> PrefixKeys:
     """Every chunk's key, each chunk's tokens hashed once; with ``block_size``, the partial
     chunks too, each chunk's hashed when first asked for (``LazyPartials``)."""
-    global _chunk_hashes
     _check_size("chunk_size", chunk_size)
     if block_size is not None:
         _check_size("block_size", block_size)
         if chunk_size % block_size:
             raise ConfigError(f"chunk_size {chunk_size} is not a multiple of block_size {block_size}")
     data = canonical_tokens(tokens)
+    spans = chained_spans(namespace.root, data, 0, chunk_size)
+    return PrefixKeys(spans, LazyPartials(namespace, np.array(data), spans, block_size) if block_size else [[] for _ in spans])
+
+
+def chained_spans(previous: bytes, data: np.ndarray, offset: int, chunk_size: int) -> list[ChunkSpan]:
+    """The spans of the chunks of ``data`` (canonical tokens, the ones from token ``offset`` on,
+    ``offset`` a chunk boundary), chained after the key ``previous`` of the chunk that ends at
+    ``offset`` (the namespace's root at 0): each chunk's tokens hashed once."""
+    global _chunk_hashes
     raw = memoryview(np.ascontiguousarray(data).view(np.uint8))
     spans = []
-    previous = namespace.root
     for start in range(0, len(data), chunk_size):
         end = min(start + chunk_size, len(data))
         previous = chain_keys(previous, raw[4 * start : 4 * end])[0]
-        spans.append(ChunkSpan(previous, start, end))
+        spans.append(ChunkSpan(previous, offset + start, offset + end))
     _chunk_hashes += len(spans)
-    return PrefixKeys(spans, LazyPartials(namespace, data, spans, block_size) if block_size else [[] for _ in spans])
+    return spans
 
 
 class LazyPartials(collections.abc.Sequence):
@@ -143,11 +150,11 @@ class LazyPartials(collections.abc.Sequence):
     a lookup needs those of the one chunk its walk stops at (a 16th of the hashing of them all for
     a 4096-token prompt in chunks of 256), a save those of the chunk it ends in. One more pass over
     that chunk's tokens, which ``chunk_hashes`` does not count: it counts the passes that key a
-    prompt. It keeps a copy of the tokens (canonical, as ``canonical_tokens`` gives them): the
-    caller's array may change after."""
+    prompt. ``tokens`` are read when a chunk is asked for: the caller hands over tokens that do
+    not change (``prefix_keys`` a copy)."""
 
-    def __init__(self, namespace: Namespace, tokens: np.ndarray, spans: Sequence[ChunkSpan], block_size: int) -> None:
-        self._raw = memoryview(np.array(tokens, dtype="<u4").view(np.uint8))
+    def __init__(self, namespace: Namespace, tokens: Sequence[int] | np.ndarray, spans: Sequence[ChunkSpan], block_size: int) -> None:
+        self._tokens = tokens
         self._root, self._spans, self._block = namespace.root, spans, block_size
         self._done: dict[int, list[ChunkSpan]] = {}
 
@@ -169,7 +176,8 @@ class LazyPartials(collections.abc.Sequence):
         if not ends:  # a chunk of one block or less has no shorter prefix of whole blocks
             return []
         previous = self._spans[i - 1].key if i else self._root
-        keys = chain_keys(previous, self._raw[4 * span.start : 4 * span.end], ends)
+        raw = memoryview(np.ascontiguousarray(canonical_tokens(self._tokens[span.start : span.end])).view(np.uint8))
+        keys = chain_keys(previous, raw, ends)
         return [ChunkSpan(k, span.start, span.start + e) for k, e in zip(keys[-2::-1], reversed(ends))]
 
 

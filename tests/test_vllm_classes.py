@@ -122,6 +122,44 @@ def test_a_partial_hit_loads_the_shared_prefix(make_steps):
     steps.run()
 
 
+def test_a_context_asked_again_is_keyed_by_vllms_block_hashes_and_loaded_byte_for_byte(make_steps):
+    """The scheduler side keys a prompt whose prefix it keyed before from vLLM's block hashes
+    (kvtier/paged/key_memo.py), not by hashing it again: the keys are the hashed ones, and the load
+    is exact."""
+    from kvtier.keys import chunk_hashes
+
+    steps = make_steps()
+    context = _tokens(30, 2 * CHUNK)
+    _store_then_forget(steps, context + _tokens(31, PROMPT - 2 * CHUNK))
+    lookups = steps.connector.connector_scheduler.lookups
+    assert lookups.memo is not None and lookups.memo.fingerprint_tokens == BLOCK
+    before = chunk_hashes()
+    steps.add("question", context + _tokens(32, PROMPT - 2 * CHUNK), max_tokens=3)
+    assert _first_step_of(steps, "question") == 2 * CHUNK
+    assert chunk_hashes() - before == -(-(PROMPT - 2 * CHUNK) // CHUNK)  # the new question's chunks only
+    state = next(iter(steps.connector.connector_scheduler.planner.states.values()))
+    assert [s.key for s in state.keys[0][0].spans] == \
+        [s.key for s in lookups.chunk_keys(state.scope, state.tokens, CHUNK)[0][0].spans]
+    assert steps.wrong_slots("question", PROMPT) == []
+    steps.run()
+
+
+def test_vllms_block_hashes_stand_for_keys_only_where_they_are_cryptographic(model_path):
+    """xxhash, vLLM's fast option, is no cryptographic hash: two prefixes could share a block hash,
+    so kvtier hashes every prompt itself there."""
+    from kvtier.integrations.vllm.common import fingerprint_tokens
+    from kvtier_testing.vllm_classes import vllm_config
+
+    config = vllm_config(model_path, EMBEDDED)
+    steps = VllmSteps(model_path, EMBEDDED)
+    try:
+        for algo, expected in [("sha256", BLOCK), ("sha256_cbor", BLOCK), ("xxhash", None), ("xxhash_cbor", None)]:
+            config.cache_config.prefix_caching_hash_algo = algo
+            assert fingerprint_tokens(config, steps.kv_cache_config) == expected
+    finally:
+        steps.close()
+
+
 def _lose_objects(steps: VllmSteps) -> None:
     """Every object the store holds is gone by the time the workers load (pins and all)."""
     store = steps.worker.connector_worker._loads.key_store

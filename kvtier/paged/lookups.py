@@ -1,5 +1,5 @@
 """The scheduler side's lookup of a request's prompt: its keys (hashed once per request, per TP
-rank and group) and the hit every rank and group agrees on, each group's kind saying which ends
+rank and group, or remembered from an earlier prompt with the same prefix: key_memo.py) and the hit every rank and group agrees on, each group's kind saying which ends
 it allows (hits.py). The lookup pins what it found until a load takes it or ``unpin`` gives it
 back."""
 
@@ -9,23 +9,30 @@ from kvtier.cache import TokenCache
 from kvtier.keys import ChunkSpan, PrefixKeys, canonical_tokens, prefix_keys
 from kvtier.keystore import Pin
 from kvtier.paged.hits import best_end
+from kvtier.paged.key_memo import KeyMemo
 from kvtier.paged.layout import EngineLayout
 from kvtier.paged.namespaces import NamespaceCache, RequestScope
 from kvtier.paged.planner import Found, RequestState
 
 
 class PromptLookup:
-    def __init__(self, engine: EngineLayout, cache: TokenCache) -> None:
+    def __init__(self, engine: EngineLayout, cache: TokenCache, memo: KeyMemo | None = None) -> None:
         self.engine = engine
         self.block_size = engine.block_size
         self.cache = cache
         self.namespaces = NamespaceCache(engine)
+        self.memo = memo  # keys by vLLM's block hashes, where they can be trusted (key_memo.py)
 
     def keys(self, state: RequestState, chunk: int) -> list[list[PrefixKeys]]:
         """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
         per request."""
         if state.keys is None:
-            state.keys = self.chunk_keys(state.scope, state.tokens, chunk)
+            if self.memo is None:
+                state.keys = self.chunk_keys(state.scope, state.tokens, chunk)
+            else:
+                tokens, fingerprints = state.tokens, state.request.block_hashes
+                state.keys = [[self.memo.prefix_keys(ns, tokens, fingerprints, chunk, self.block_size)
+                               for ns in self.namespaces.get(rank, state.scope)] for rank in range(self.engine.tp_size)]
         return state.keys
 
     def chunk_keys(self, scope: RequestScope, tokens: list[int], chunk: int) -> list[list[PrefixKeys]]:

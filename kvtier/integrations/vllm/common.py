@@ -177,6 +177,17 @@ def engine_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -
     )
 
 
+def fingerprint_tokens(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> int | None:
+    """Tokens a vLLM block hash covers (its ``hash_block_size``) where those hashes are made with a
+    cryptographic hash (sha256, vLLM's default), so that the scheduler side may key prompts by
+    them (kvtier/paged/key_memo.py); None where they are not (xxhash: two prefixes could share one)."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    if not vllm_config.cache_config.prefix_caching_hash_algo.startswith("sha256"):
+        return None
+    return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1]
+
+
 # -- scheduler -> worker, every step (jobs.py) -----------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import ConfigError
 from kvtier.events import Medium
-from kvtier.integrations.vllm.common import KvtierConnectorMetadata, engine_layout
+from kvtier.integrations.vllm.common import KvtierConnectorMetadata, engine_layout, fingerprint_tokens
 from kvtier.integrations.vllm.config import ConnectorConfig, parse_extra_config
 from kvtier.integrations.vllm.metrics import KvtierPromMetrics, build_stats
 from kvtier.paged.layout import EngineLayout
@@ -75,7 +75,8 @@ class KvtierConnector(KVConnectorBase_V1, SupportsHMA):
             from kvtier.integrations.vllm.scheduler import KvtierScheduler
 
             self.connector_scheduler = KvtierScheduler(
-                self.config, engine, self._block_ids_of, vllm_config.model_config.served_model_name
+                self.config, engine, self._block_ids_of, vllm_config.model_config.served_model_name,
+                fingerprint_tokens(vllm_config, kv_cache_config),
             )
             self.connector_scheduler.cache.key_store.ping()
             chunk = self.connector_scheduler.cache.chunk_size

@@ -12,7 +12,8 @@ the save jobs ``kvtier.paged.saves``'; this module turns vLLM's hooks into their
                                  forget the request
 
 The prompt's chunks are hashed once per request (``keys.prefix_keys``, per TP rank) and the keys
-kept for its lookup, its loads and its saves. The lookup walks the prompt's chunks (the last one
+kept for its lookup, its loads and its saves; a prefix this process keyed before is not hashed
+again: its keys are remembered by vLLM's block hashes (kvtier/paged/key_memo.py). The lookup walks the prompt's chunks (the last one
 ends with the prompt: the tail a prefill instance or an identical earlier prompt stored); where
 that walk stops, a partial chunk (a shorter prefix of whole blocks, stored when an earlier prompt
 ended there) is tried too, in the same round trip (one ``locate`` per TP rank). A load always
@@ -59,6 +60,7 @@ from kvtier.integrations.vllm.metrics import Interval, KvtierStats, totals
 from kvtier.keys import ChunkSpan
 from kvtier.paged.hits import tokens_by_tier
 from kvtier.paged.jobs import LoadJob, ReqId, SaveJob, probe_job
+from kvtier.paged.key_memo import KeyMemo
 from kvtier.paged.layout import EngineLayout, pages
 from kvtier.paged.load_costs import LoadOrRecompute, StepTimer, positions
 from kvtier.paged.lookups import PromptLookup
@@ -90,13 +92,15 @@ class KvtierScheduler:
         engine: EngineLayout,
         block_ids_of: Callable[[ReqId], tuple[list[int], ...]],
         served_model: str = "",
+        fingerprint_tokens: int | None = None,
     ) -> None:
         self.config = config
         self.served_model = served_model or engine.model  # the model name in kvtier's KV events
         self.engine = engine
         self.block_size = engine.block_size
         self.cache = open_cache(config)
-        self.lookups = PromptLookup(engine, self.cache)
+        # prompts keyed by vLLM's block hashes where they are cryptographic (kvtier/paged/key_memo.py)
+        self.lookups = PromptLookup(engine, self.cache, KeyMemo(fingerprint_tokens) if fingerprint_tokens else None)
         self.stats = SchedulerStats()
         self._interval = Interval()
         # a hook that may move ``stats`` ran since the last report (lookups, admissions, saves
