@@ -5,6 +5,8 @@ back."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from kvtier.cache import TokenCache
 from kvtier.keys import ChunkSpan, PrefixKeys, canonical_tokens, prefix_keys
 from kvtier.keystore import Pin
@@ -27,19 +29,21 @@ class PromptLookup:
         """The keys of the prompt's chunks and partial chunks, per TP rank and group: hashed once
         per request."""
         if state.keys is None:
-            if self.memo is None:
-                state.keys = self.chunk_keys(state.scope, state.tokens, chunk)
-            else:
-                tokens, fingerprints = state.tokens, state.request.block_hashes
-                state.keys = [[self.memo.prefix_keys(ns, tokens, fingerprints, chunk, self.block_size)
-                               for ns in self.namespaces.get(rank, state.scope)] for rank in range(self.engine.tp_size)]
+            fingerprints = state.request.block_hashes if self.memo is not None else None
+            state.keys = self.chunk_keys(state.scope, state.tokens, chunk, fingerprints)
         return state.keys
 
-    def chunk_keys(self, scope: RequestScope, tokens: list[int], chunk: int) -> list[list[PrefixKeys]]:
-        """The keys of ``tokens``' chunks and partial chunks, per TP rank and group."""
+    def chunk_keys(self, scope: RequestScope, tokens: list[int], chunk: int,
+                   fingerprints: Sequence[bytes] | None = None) -> list[list[PrefixKeys]]:
+        """The keys of ``tokens``' chunks and partial chunks, per TP rank and group; with the
+        engine's ``fingerprints`` of them (vLLM's block hashes of the request whose tokens they
+        are), those the memo holds are not hashed again."""
+        spaces = [self.namespaces.get(rank, scope) for rank in range(self.engine.tp_size)]
+        if self.memo is not None and fingerprints is not None:
+            return [[self.memo.prefix_keys(ns, tokens, fingerprints, chunk, self.block_size) for ns in rank_spaces]
+                    for rank_spaces in spaces]
         array = canonical_tokens(tokens)  # once for every rank and group; from a list 3x faster than numpy
-        return [[prefix_keys(ns, array, chunk, self.block_size) for ns in self.namespaces.get(rank, scope)]
-                for rank in range(self.engine.tp_size)]
+        return [[prefix_keys(ns, array, chunk, self.block_size) for ns in rank_spaces] for rank_spaces in spaces]
 
     def find(self, state: RequestState, chunk: int) -> Found:
         """What the cache holds of the request's prompt in chunks of ``chunk`` tokens: the

@@ -353,7 +353,9 @@ class KvtierScheduler:
         if end <= max(tracked.saved_upto, request.num_prompt_tokens) or any(len(b) < pages(end, self.block_size) for b in block_ids):
             return False
         tokens = request.all_token_ids[:end]
-        keys = self.lookups.chunk_keys(tracked.scope, tokens, chunk)  # the prompt's chunks are hashed again: a rare job
+        # the prompt's chunks again, and the answer's: remembered by vLLM's block hashes, which cover the
+        # answer too, so that the next turn (this history and a new question) is keyed without hashing it
+        keys = self.lookups.chunk_keys(tracked.scope, tokens, chunk, request.block_hashes)
         history = end - max(tracked.saved_upto, request.num_prompt_tokens)
         job = self._save_plan.plan(tracked, keys, tokens, end, end, block_ids, release=True)
         if job is None:
