@@ -50,11 +50,17 @@ plain memcpy of the same bytes timed in the same run, both reading and writing c
 control: what a call costs in the machine's state of that step, as after vLLM's walk of a big
 batch). The hook times include the timers' own cost (well under a microsecond a call). The
 connectors take turns round by round (``--rounds``); the load average is printed at the start
-and the end.
+and the end. After the timed rounds, one more round of each connector counts the function calls
+its hooks make on the engine's thread (``calls``, per sample: Python functions and the C
+functions Python calls; work that C code does over many items counts once): the work of a step,
+which cold caches after vLLM's walk of 256 requests do not move, where they move every hook's
+time and the control's.
 Prints tables and, as the last line, one JSON object
-``{"workloads": {w: {connector: {"hook_us_p50", "hook_us_p99", "vs_scheduler", "copy_vs_memcpy"}}}}``;
+``{"workloads": {w: {connector: {"hook_us_p50", "hook_us_p99", "vs_scheduler", "copy_vs_memcpy", "calls_p50"}}}}``;
 ``--check`` exits 1 when a bar of issue 43 is missed (``lmcache_hook_ratio``, kvtier's hook p50
-over LMCache's, judged in each workload where LMCache ran).
+over LMCache's, judged in each workload where LMCache ran), or this benchmark's own beside the
+issue's time bar on the decode steps: ``decode_calls_growth``, the hooks' calls a step with the
+larger decode set over the smaller, at most 1 (constant work a step).
 """
 
 from __future__ import annotations
@@ -112,15 +118,21 @@ def _nothing() -> None:
 
 class HookTimer:
     """Seconds spent in wrapped callables during the current step, by name; a call made from
-    inside another timed one is counted in the outer one only."""
+    inside another timed one is counted in the outer one only. With ``counting`` (a round of its
+    own, whose times are not used), the function calls made inside them on the engine's thread
+    are counted instead (``sys.setprofile``): the work a step does, which no machine's state moves."""
 
     def __init__(self) -> None:
         self.step: dict[str, float] = defaultdict(float)
+        self.counting = False
+        self.calls = 0
         self._depth = 0
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
             self._depth += 1
+            if self.counting and self._depth == 1:
+                sys.setprofile(self._count)
             started = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -128,11 +140,18 @@ class HookTimer:
                 self._depth -= 1
                 if not self._depth:
                     self.step[name] += time.perf_counter() - started
+                    if self.counting:
+                        sys.setprofile(None)
         return timed
 
-    def take(self) -> dict[str, float]:
-        step, self.step = self.step, defaultdict(float)
-        return step
+    def _count(self, frame, event: str, arg) -> None:
+        if event == "call" or event == "c_call":
+            self.calls += 1
+
+    def take(self) -> tuple[dict[str, float], int]:
+        """(seconds by name, calls counted) since the last call."""
+        step, calls, self.step, self.calls = self.step, self.calls, defaultdict(float), 0
+        return step, calls
 
 
 class CopyTimer:
@@ -196,10 +215,11 @@ class Sample:
     steps: int = 0
     by_hook: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     control_s: float = 0.0  # the control call's time (CONTROL), in no hook's
+    calls: int = 0  # function calls in the hooks (HookTimer.counting), the control's included
     wall_s: float = 0.0  # from the first step's start to the last's end (the forward passes' sleeps included)
 
     def add(self, other: "Sample") -> None:
-        for name in ("hooks_s", "engine_copy_s", "copy_s", "copy_bytes", "scheduling_s", "steps", "control_s"):
+        for name in ("hooks_s", "engine_copy_s", "copy_s", "copy_bytes", "scheduling_s", "steps", "control_s", "calls"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name, seconds in other.by_hook.items():
             self.by_hook[name] += seconds
@@ -334,12 +354,12 @@ class SteppedEngine:
         self.scheduler.update_from_output(output, runner_output)
         updated_s = time.perf_counter() - started
         self.hooks.wrap(CONTROL, _nothing)()
-        by_hook = self.hooks.take()
+        by_hook, calls = self.hooks.take()
         control_s = by_hook.pop(CONTROL)
         engine_copy_s, copy_s, copy_bytes = self.copies.take()
         scheduler_hooks_s = sum(by_hook[name] for name in SCHEDULER_HOOKS if name in by_hook)
         return Sample(sum(by_hook.values()), engine_copy_s, copy_s, copy_bytes,
-                      scheduled_s + updated_s - scheduler_hooks_s, 1, by_hook, control_s)
+                      scheduled_s + updated_s - scheduler_hooks_s, 1, by_hook, control_s, calls)
 
     def _worker_step(self, output):
         """The worker-role connector's hooks of one step, in the model runner's order
@@ -543,6 +563,9 @@ def check_figures(workloads: dict, decodes: tuple[int, int]) -> tuple[dict, dict
     growth = (ours[large].get("hook_us_p50") or math.nan) / (ours[small].get("hook_us_p50") or math.nan)
     figures["decode_growth"] = round(growth, 3)
     targets["decode_growth"] = Target("<", DECODE_GROWTH, f"{small} to {large}: constant work a step")
+    calls = (ours[large].get("calls_p50") or math.nan) / (ours[small].get("calls_p50") or math.nan)
+    figures["decode_calls_growth"] = round(calls, 3)
+    targets["decode_calls_growth"] = Target("<=", 1.0, f"{small} to {large}: the hooks' function calls a step")
     for w in ("mixed", "hits"):
         figures[f"{w}_vs_scheduler"] = ours[w].get("vs_scheduler")
         targets[f"{w}_vs_scheduler"] = Target("<=", VS_SCHEDULER, "hooks outside the copies over vLLM's scheduling")
@@ -606,13 +629,15 @@ def main(argv: list[str] | None = None) -> int:
             port = stack.enter_context(_serving(lambda *a: lmcache_server(lmcache, *a, l1_size_gb=L1_GB)))
             transfers["lmcache"] = lmcache_transfer_config(port)
         transfers["none"] = None
-        rounds = _measure(args, s, num_blocks, transfers)
+        rounds, counted = _measure(args, s, num_blocks, transfers)
     sizes = {x.copy_bytes for by in rounds.values() for r in by for samples in r.values() for x in samples if x.copy_bytes}
     memcpy_s = memcpy_seconds(sizes)
     workloads: dict[str, dict] = defaultdict(dict)
     for name, by in rounds.items():
         for w, figures in summarize(by, memcpy_s).items():
             workloads[w][name] = figures
+            if name in counted:  # per sample, the median of the counted round's
+                figures["calls_p50"] = statistics.median(x.calls for x in counted[name][w])
     if lmcache is None:
         for w in workloads:
             workloads[w]["lmcache"] = {"skipped": lmcache_line}
@@ -645,9 +670,10 @@ def _serving(make):
             server.terminate()
 
 
-def _measure(args, s: Settings, num_blocks: int, transfers: dict[str, dict | None]) -> dict[str, list]:
+def _measure(args, s: Settings, num_blocks: int, transfers: dict[str, dict | None]) -> tuple[dict[str, list], dict[str, dict]]:
     """Every round of every connector (``transfers``: its ``KVTransferConfig`` fields), taking
-    turns: {connector: [round's {workload: samples}]}."""
+    turns: {connector: [round's {workload: samples}]}; then one round of each connector whose
+    hooks' calls are counted (``HookTimer.counting``): {connector: {workload: samples}}."""
     engines = {name: SteppedEngine(name, num_blocks, transfer, seed=i, forward_s=args.forward_ms / 1000)
                for i, (name, transfer) in enumerate(transfers.items())}
     contexts = {name: store_contexts(engine, s) for name, engine in engines.items()}
@@ -669,18 +695,24 @@ def _measure(args, s: Settings, num_blocks: int, transfers: dict[str, dict | Non
                 rounds[name].append(run_round(engines[name], s, contexts[name]))
                 if profiler is not None:
                     profiler.disable()
+        counted = {}
+        for name, engine in engines.items():
+            if engine.worker is not None:
+                engine.hooks.counting = True
+                counted[name] = run_round(engine, s, contexts[name])
+                engine.hooks.counting = False
     finally:
         gc.unfreeze()
         for engine in engines.values():
             engine.close()
     if profiler is not None:
         profiler.dump_stats(args.profile)
-    return rounds
+    return rounds, counted
 
 
 def _print_tables(workloads: dict) -> None:
     print(f"\n{'workload':<11}{'connector':<9}{'hook p50 us':>12}{'p99':>9}{'rounds p50':>22}{'vLLM sched p50':>15}"
-          f"{'vs sched':>9}{'steps':>6}{'copy MB':>8}{'vs memcpy':>10}{'control us':>11}")
+          f"{'vs sched':>9}{'steps':>6}{'copy MB':>8}{'vs memcpy':>10}{'control us':>11}{'calls':>7}")
     for w, by in workloads.items():
         for name, f in by.items():
             if "hook_us_p50" not in f:
@@ -689,7 +721,8 @@ def _print_tables(workloads: dict) -> None:
             spread = ",".join(f"{x:g}" for x in f["round_p50s_us"])
             copy = f"{f['copy_vs_memcpy']:.2f}" if f["copy_vs_memcpy"] is not None else "-"
             print(f"{w:<11}{name:<9}{f['hook_us_p50']:>12.1f}{f['hook_us_p99']:>9.1f}{spread:>22}{f['scheduler_us_p50']:>15.1f}"
-                  f"{f['vs_scheduler']:>9.3f}{f['steps_per_sample']:>6g}{f['copy_mb']:>8.2f}{copy:>10}{f['control_us_p50']:>11.2f}")
+                  f"{f['vs_scheduler']:>9.3f}{f['steps_per_sample']:>6g}{f['copy_mb']:>8.2f}{copy:>10}{f['control_us_p50']:>11.2f}"
+                  f"{f.get('calls_p50', '-'):>7}")
     hits = workloads.get("hits", {})
     if "hook_us_p50" in hits.get("kvtier", {}):
         ours, alone = hits["kvtier"], hits["none"]

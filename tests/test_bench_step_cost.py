@@ -21,8 +21,9 @@ step_cost = sys.modules["step_cost"] = importlib.util.module_from_spec(_spec)  #
 _spec.loader.exec_module(step_cost)
 
 
-def _workloads(decode=(20.0, 22.0), vs_scheduler=0.05, copy=0.9, lmcache=None) -> dict:
-    ours = {"decode64": {"hook_us_p50": decode[0]}, "decode256": {"hook_us_p50": decode[1]},
+def _workloads(decode=(20.0, 22.0), vs_scheduler=0.05, copy=0.9, lmcache=None, calls=(147, 147)) -> dict:
+    ours = {"decode64": {"hook_us_p50": decode[0], "calls_p50": calls[0]},
+            "decode256": {"hook_us_p50": decode[1], "calls_p50": calls[1]},
             "mixed": {"hook_us_p50": 500.0, "vs_scheduler": vs_scheduler, "copy_vs_memcpy": copy},
             "hits": {"hook_us_p50": 900.0, "vs_scheduler": vs_scheduler, "copy_vs_memcpy": copy}}
     return {w: {"kvtier": f, "lmcache": {"hook_us_p50": lmcache} if lmcache else {"skipped": "LMCache skipped: no peers"}}
@@ -41,6 +42,7 @@ def test_figures_within_every_bar_miss_none():
 @pytest.mark.parametrize(("workloads", "missed"), [
     (_workloads(decode=(20.0, 60.0)), {"decode256_hook_us_p50", "decode_growth"}),
     (_workloads(decode=(20.0, 24.5)), {"decode_growth"}),  # 22% more at 256 running requests
+    (_workloads(calls=(147, 148)), {"decode_calls_growth"}),  # one call more at 256: not constant work
     (_workloads(vs_scheduler=0.2), {"mixed_vs_scheduler", "hits_vs_scheduler"}),
     (_workloads(copy=0.5), {"mixed_copy_vs_memcpy", "hits_copy_vs_memcpy"}),
     (_workloads(lmcache=400.0), {"mixed_lmcache_hook_ratio", "hits_lmcache_hook_ratio"}),  # LMCache's hooks cheaper there
@@ -84,6 +86,30 @@ def test_a_hit_whose_blocks_do_not_hold_the_stored_kv_fails_the_run(loaded):
         step_cost.SteppedEngine.check_loaded(_hit_engine(context, loaded), context)
 
 
+def test_counted_calls_grow_with_a_walk_and_stay_with_constant_work():
+    """The counting round's measure, and its negative control: a hook that walks its requests
+    makes more calls with more of them; one that does not, the same."""
+    timer = step_cost.HookTimer()
+    timer.counting = True
+
+    def one(request):
+        return request
+
+    def walk(requests):
+        return [one(r) for r in requests]  # a Python function called for each
+
+    def constant(requests):
+        return len(requests)
+
+    counts = {}
+    for name, hook in (("walk", walk), ("constant", constant)):
+        for n in (64, 256):
+            timer.wrap(name, hook)(list(range(n)))
+            counts[name, n] = timer.take()[1]
+    assert counts["walk", 256] - counts["walk", 64] == 192
+    assert counts["constant", 256] == counts["constant", 64] > 0
+
+
 def test_a_workload_not_measured_misses_its_bars():
     workloads = _workloads()
     del workloads["hits"]["kvtier"]["copy_vs_memcpy"]
@@ -107,7 +133,10 @@ def _tiny_run(*flags: str, env: dict | None = None) -> dict:
         assert summary["workloads"][w]["kvtier"]["copy_vs_memcpy"] > 0
         assert summary["workloads"][w]["kvtier"]["copy_mb"] > 0
     assert summary["workloads"]["decode4"]["kvtier"]["copy_vs_memcpy"] is None
-    assert set(summary["targets_met"]) >= {"decode4_hook_us_p50", "decode_growth", "mixed_vs_scheduler", "hits_copy_vs_memcpy"}
+    assert all(by["kvtier"]["calls_p50"] > 0 for by in summary["workloads"].values())
+    assert summary["decode_calls_growth"] == 1.0  # kvtier's idle step: the same calls at 4 and 8 running requests
+    assert set(summary["targets_met"]) >= {"decode4_hook_us_p50", "decode_growth", "decode_calls_growth", "mixed_vs_scheduler",
+                                           "hits_copy_vs_memcpy"}
     return summary
 
 
