@@ -20,6 +20,8 @@ step shows at its next step.
 from __future__ import annotations
 
 import copy
+import itertools
+import operator
 from collections.abc import Mapping  # typing's Mapping makes isinstance several times slower
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -173,12 +175,14 @@ class Interval:
     """What a side's running totals gained since the last ``take``: the figures of one step
     (gauges: their values that changed; None is not measured, and not sent). It reads the side's
     stats fields as they are (``Figure.field`` -> running total), and keeps the last value of
-    each: a step pays a comparison a figure and builds only what moved (not every figure's
-    total, copied and renamed, as ``totals`` does for ``figures``)."""
+    each: a step reads them all in one call, finds those that moved in C (``compress`` over
+    ``ne``), and builds only what moved (not every figure's total, copied and renamed, as
+    ``totals`` does for ``figures``)."""
 
     def __init__(self) -> None:
-        self._last: dict[str, Any] = {}  # field -> its value at the last take (by-label ones copied)
         self._figures: list[Figure] | None = None  # those whose field the side has, from its first take
+        self._read: Any = None  # the side's fields -> their values, in the order of ``_figures``
+        self._last: list[Any] = []  # each figure's value at the last take (by-label ones copied)
 
     def take(self, fields: Mapping[str, Any]) -> KvtierStats | None:
         """``fields``: a side's stats fields (its ``vars``: the worker's threads may bump them
@@ -186,11 +190,14 @@ class Interval:
         on some paths: a step that moved no figure builds nothing."""
         if self._figures is None:
             self._figures = [figure for figure in FIGURES if figure.field in fields]
-        last, data = self._last, {}
-        for figure in self._figures:
-            now = fields.get(figure.field)
-            before = last.get(figure.field)
-            if now is None or now == before:
+            names = [figure.field for figure in self._figures]
+            # one call reads them all (a tuple from two names on)
+            self._read = operator.itemgetter(*names) if len(names) > 1 else (lambda values: tuple(values[n] for n in names))
+            self._last = [None] * len(self._figures)
+        values, last, data = self._read(fields), self._last, {}
+        for i in itertools.compress(range(len(values)), map(operator.ne, values, last)):
+            figure, now, before = self._figures[i], values[i], last[i]
+            if now is None:
                 continue
             if figure.label:
                 now = dict(now)  # one call: a copy no other thread changes while it is walked
@@ -204,7 +211,7 @@ class Interval:
                 data[figure.name] = now
             elif now != (before or 0):
                 data[figure.name] = now - (before or 0)
-            last[figure.field] = now
+            last[i] = now
         return KvtierStats(data=data) if data else None
 
 
