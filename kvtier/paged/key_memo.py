@@ -35,13 +35,13 @@ class KeyMemo:
         """``keys.prefix_keys`` of ``tokens`` (a prompt the engine only ever appends to) whose
         ``fingerprints`` are the engine's: the chunks remembered first, then the rest hashed and
         remembered."""
-        root, step, memo = namespace.root, self.fingerprint_tokens, self._keys
+        root, memo = namespace.root, self._keys
         spans: list[ChunkSpan] = []
         previous, start = root, 0
         while start < len(tokens):
             end = min(start + chunk_size, len(tokens))
-            mark = end // step - 1
-            key = memo.get((root, fingerprints[mark])) if not end % step and mark < len(fingerprints) else None
+            fingerprint = self._fingerprint(fingerprints, end)
+            key = memo.get((root, fingerprint)) if fingerprint is not None else None
             if key is None:
                 break
             spans.append(ChunkSpan(key, start, end))
@@ -51,8 +51,13 @@ class KeyMemo:
             if len(memo) + len(hashed) > self.capacity:
                 memo.clear()
             for span in hashed:
-                mark = span.end // step - 1
-                if not span.end % step and mark < len(fingerprints):
-                    memo[(root, fingerprints[mark])] = span.key
+                fingerprint = self._fingerprint(fingerprints, span.end)
+                if fingerprint is not None:
+                    memo[(root, fingerprint)] = span.key
             spans += hashed
         return PrefixKeys(spans, LazyPartials(namespace, tokens, spans, block_size))
+
+    def _fingerprint(self, fingerprints: Sequence[bytes], end: int) -> bytes | None:
+        """The engine's fingerprint of the prefix that ends at token ``end``, if it made one."""
+        mark, off = divmod(end, self.fingerprint_tokens)
+        return fingerprints[mark - 1] if not off and 0 < mark <= len(fingerprints) else None
