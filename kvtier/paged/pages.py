@@ -203,7 +203,7 @@ class PagedKV:
     # (memcpy of each layer's run). Scattered blocks: out of vLLM's blocks ``np.take`` with
     # ``out`` (memcpy of each page; it needs a contiguous source, else it would copy the whole
     # KV cache first: the cross-layer and K/V-split layouts keep a loop per run), into them one
-    # indexed assignment. Indexed reads and ``take``'s ``mode="raise"`` go through a temporary:
+    # indexed assignment a slot. Indexed reads and ``take``'s ``mode="raise"`` go through a temporary:
     # never used. torch
     # would split them over its intra-op threads, which is no faster for a memory copy and can
     # be a hundred times slower when the cores are busy (the engine's own threads, the saver
@@ -257,8 +257,10 @@ class PagedKV:
                     for dst, src in zip(self.slots[slots], segments):
                         _wide(dst).index_copy_(0, index, _as(copies.to_device(torch.from_numpy(src[first : first + n])), dst))
             return
-        pairs, lead = self._host_pairs(segments, slots)
         index, start = self._index(block_ids)
+        # scattered ids: one indexed assignment a slot, each block a contiguous row of it (with
+        # the slot axis before the index, numpy moved 7.0 GB/s where memcpy moves 13.5; this 8.3)
+        pairs, lead = self._host_pairs(segments, slots) if start is not None else (list(zip(self._host[slots], segments)), ())
         for dst, src in pairs:
             part = src[(*lead, slice(first, first + n))]
             if start is not None:
