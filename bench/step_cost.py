@@ -46,7 +46,9 @@ Figures per workload and connector: per-sample hook time (p50, p99, and the spre
 rounds' p50s), its ratio to vLLM's own scheduling time of the same samples with the copies taken
 out (``vs_scheduler``, median of per-sample ratios), and where KV moves the copies' speed over a
 plain memcpy of the same bytes timed in the same run, both reading and writing cold memory
-(``copy_vs_memcpy``). Every step also times a call of a function that does nothing (the
+(``copy_vs_memcpy``), and beside it the floor a scattered copy has here: the same bytes
+scattered by numpy alone into pages at random blocks, over that memcpy (``scattered_vs_memcpy``,
+no bar; a load's blocks are scattered wherever vLLM's free blocks are). Every step also times a call of a function that does nothing (the
 control: what a call costs in the machine's state of that step, as after vLLM's walk of a big
 batch). The hook times include the timers' own cost (well under a microsecond a call). The
 connectors take turns round by round (``--rounds``); the load average is printed at the start
@@ -56,7 +58,7 @@ functions Python calls; work that C code does over many items counts once): the 
 which cold caches after vLLM's walk of 256 requests do not move, where they move every hook's
 time and the control's.
 Prints tables and, as the last line, one JSON object
-``{"workloads": {w: {connector: {"hook_us_p50", "hook_us_p99", "vs_scheduler", "copy_vs_memcpy", "calls_p50"}}}}``;
+``{"workloads": {w: {connector: {"hook_us_p50", "hook_us_p99", "vs_scheduler", "copy_vs_memcpy", "scattered_vs_memcpy", "calls_p50"}}}}``;
 ``--check`` exits 1 when a bar of issue 43 is missed (``lmcache_hook_ratio``, kvtier's hook p50
 over LMCache's, judged in each workload where LMCache ran), or this benchmark's own beside the
 issue's time bar on the decode steps: ``decode_calls_growth``, the hooks' calls a step with the
@@ -519,11 +521,35 @@ def memcpy_seconds(sizes, repeats: int = 5) -> dict[float, float]:
     return seconds
 
 
+def scattered_seconds(sizes, row: int, repeats: int = 5, seed: int = 0) -> dict[float, float]:
+    """For each size in bytes, the median of ``repeats`` copies of that many bytes from a cold
+    pool into pages of ``row`` bytes at random blocks of ``LAYERS`` other cold pools, as a load
+    scatters them into vLLM's blocks: numpy's indexed assignment, one a layer, alone on its thread.
+    The floor of a scattered copy here: beside ``memcpy_seconds`` it says how much of a copy's
+    distance from memcpy is the scattering's own."""
+    rng = np.random.default_rng(seed)
+    blocks = max(MEMCPY_POOL // (LAYERS * row), *((repeats + 1) * -(-int(size) // (LAYERS * row)) for size in sizes))
+    src, dst = np.ones((blocks * LAYERS, row), np.uint8), np.ones((LAYERS, blocks, row), np.uint8)
+    seconds = {}
+    for size in sizes:
+        n = max(int(size) // (LAYERS * row), 1)
+        times = []
+        for i in range(repeats):
+            part = src[i * n * LAYERS : (i + 1) * n * LAYERS].reshape(LAYERS, n, row)
+            ids = rng.choice(blocks, n, replace=False)
+            started = time.perf_counter()
+            for layer in range(LAYERS):
+                dst[layer][ids] = part[layer]
+            times.append(time.perf_counter() - started)
+        seconds[size] = statistics.median(times)
+    return seconds
+
+
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def summarize(rounds: list[dict[str, list[Sample]]], memcpy_s: dict[float, float]) -> dict:
+def summarize(rounds: list[dict[str, list[Sample]]], memcpy_s: dict[float, float], scattered_s: dict[float, float]) -> dict:
     """Per workload, the figures of one connector's samples over every round."""
     figures = {}
     for workload in rounds[0]:
@@ -543,6 +569,8 @@ def summarize(rounds: list[dict[str, list[Sample]]], memcpy_s: dict[float, float
             "vs_scheduler": round(statistics.median(ratios), 4),
             "copy_vs_memcpy": (round(statistics.median(memcpy_s[int(x.copy_bytes)] / x.copy_s for x in copied), 3)
                                if copied else None),
+            "scattered_vs_memcpy": (round(statistics.median(memcpy_s[int(x.copy_bytes)] / scattered_s[int(x.copy_bytes)]
+                                                            for x in copied), 3) if copied else None),
             "copy_mb": round(statistics.median(x.copy_bytes for x in copied) / 1e6, 2) if copied else 0.0,
             "steps_per_sample": statistics.median(x.steps for x in samples),
             "wall_ms_p50": round(_pct([x.wall_s * 1e3 for x in samples], 50), 2),
@@ -571,6 +599,7 @@ def check_figures(workloads: dict, decodes: tuple[int, int]) -> tuple[dict, dict
         targets[f"{w}_vs_scheduler"] = Target("<=", VS_SCHEDULER, "hooks outside the copies over vLLM's scheduling")
         figures[f"{w}_copy_vs_memcpy"] = ours[w].get("copy_vs_memcpy")
         targets[f"{w}_copy_vs_memcpy"] = Target(">=", COPY_VS_MEMCPY, "the copies against a plain memcpy")
+        figures[f"{w}_scattered_vs_memcpy"] = ours[w].get("scattered_vs_memcpy")  # the scattering's own floor: no bar
     for w, by in workloads.items():
         theirs = by.get("lmcache", {})
         if "hook_us_p50" in theirs:
@@ -631,10 +660,10 @@ def main(argv: list[str] | None = None) -> int:
         transfers["none"] = None
         rounds, counted = _measure(args, s, num_blocks, transfers)
     sizes = {x.copy_bytes for by in rounds.values() for r in by for samples in r.values() for x in samples if x.copy_bytes}
-    memcpy_s = memcpy_seconds(sizes)
+    memcpy_s, scattered_s = memcpy_seconds(sizes), scattered_seconds(sizes, KV_HEADS * BLOCK * 2 * HEAD_SIZE * 2)
     workloads: dict[str, dict] = defaultdict(dict)
     for name, by in rounds.items():
-        for w, figures in summarize(by, memcpy_s).items():
+        for w, figures in summarize(by, memcpy_s, scattered_s).items():
             workloads[w][name] = figures
             if name in counted:  # per sample, the median of the counted round's
                 figures["calls_p50"] = statistics.median(x.calls for x in counted[name][w])
@@ -712,7 +741,7 @@ def _measure(args, s: Settings, num_blocks: int, transfers: dict[str, dict | Non
 
 def _print_tables(workloads: dict) -> None:
     print(f"\n{'workload':<11}{'connector':<9}{'hook p50 us':>12}{'p99':>9}{'rounds p50':>22}{'vLLM sched p50':>15}"
-          f"{'vs sched':>9}{'steps':>6}{'copy MB':>8}{'vs memcpy':>10}{'control us':>11}{'calls':>7}")
+          f"{'vs sched':>9}{'steps':>6}{'copy MB':>8}{'vs memcpy':>10}{'floor':>6}{'control us':>11}{'calls':>7}")
     for w, by in workloads.items():
         for name, f in by.items():
             if "hook_us_p50" not in f:
@@ -720,8 +749,9 @@ def _print_tables(workloads: dict) -> None:
                 continue
             spread = ",".join(f"{x:g}" for x in f["round_p50s_us"])
             copy = f"{f['copy_vs_memcpy']:.2f}" if f["copy_vs_memcpy"] is not None else "-"
+            floor = f"{f['scattered_vs_memcpy']:.2f}" if f["scattered_vs_memcpy"] is not None else "-"
             print(f"{w:<11}{name:<9}{f['hook_us_p50']:>12.1f}{f['hook_us_p99']:>9.1f}{spread:>22}{f['scheduler_us_p50']:>15.1f}"
-                  f"{f['vs_scheduler']:>9.3f}{f['steps_per_sample']:>6g}{f['copy_mb']:>8.2f}{copy:>10}{f['control_us_p50']:>11.2f}"
+                  f"{f['vs_scheduler']:>9.3f}{f['steps_per_sample']:>6g}{f['copy_mb']:>8.2f}{copy:>10}{floor:>6}{f['control_us_p50']:>11.2f}"
                   f"{f.get('calls_p50', '-'):>7}")
     hits = workloads.get("hits", {})
     if "hook_us_p50" in hits.get("kvtier", {}):

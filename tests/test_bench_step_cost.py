@@ -132,7 +132,10 @@ def _tiny_run(*flags: str, env: dict | None = None) -> dict:
     for w in ("mixed", "hits"):  # KV moved, timed against a memcpy of the same bytes
         assert summary["workloads"][w]["kvtier"]["copy_vs_memcpy"] > 0
         assert summary["workloads"][w]["kvtier"]["copy_mb"] > 0
+        assert summary["workloads"][w]["kvtier"]["scattered_vs_memcpy"] > 0  # the floor beside it, with no bar
+        assert summary[f"{w}_scattered_vs_memcpy"] > 0 and f"{w}_scattered_vs_memcpy" not in summary["targets_met"]
     assert summary["workloads"]["decode4"]["kvtier"]["copy_vs_memcpy"] is None
+    assert summary["workloads"]["decode4"]["kvtier"]["scattered_vs_memcpy"] is None
     assert all(by["kvtier"]["calls_p50"] > 0 for by in summary["workloads"].values())
     assert summary["decode_calls_growth"] == 1.0  # kvtier's idle step: the same calls at 4 and 8 running requests
     assert set(summary["targets_met"]) >= {"decode4_hook_us_p50", "decode_growth", "decode_calls_growth", "mixed_vs_scheduler",
