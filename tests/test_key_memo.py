@@ -61,6 +61,23 @@ def test_prompts_that_share_prefixes_get_the_keys_hashing_gives_and_a_known_pref
     before = chunk_hashes()
     memo.prefix_keys(NS, context + _tokens(6, 40), fingerprints(context + _tokens(6, 40)), CHUNK, BLOCK)
     assert chunk_hashes() - before == 1  # only the new tail's chunk: the context's three are remembered
+    for tokens in (context[: CHUNK + BLOCK], context):  # seen before, ending on a block inside a chunk and on a chunk's end
+        before = chunk_hashes()
+        got = memo.prefix_keys(NS, tokens, fingerprints(tokens), CHUNK, BLOCK)
+        assert chunk_hashes() == before  # every chunk remembered, the tail's too
+        assert got.spans == prefix_keys(NS, tokens, CHUNK, BLOCK).spans
+
+
+def test_fingerprints_that_stop_short_of_the_prompt_leave_the_rest_hashed(fingerprints):
+    """vLLM hashes a request's tokens a block at a time as they come: the keys past its last
+    fingerprint are hashed, and right."""
+    memo = KeyMemo(BLOCK)
+    context = _tokens(8, 3 * CHUNK)
+    assert _same_keys(memo, context, fingerprints)
+    for known in (0, 1, 5, 8, 11):
+        tokens = context + _tokens(9, 2 * CHUNK)
+        got = memo.prefix_keys(NS, tokens, fingerprints(tokens)[:known], CHUNK, BLOCK)
+        assert got.spans == prefix_keys(NS, tokens, CHUNK, BLOCK).spans
 
 
 def test_each_namespace_has_its_own_keys(fingerprints):
