@@ -94,6 +94,8 @@ from kvtier_testing.targets import Target, add_check_flag, finish, report
 from kvtier_testing.vllm_classes import init_single_process
 
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK = 8, 2, 64, 16
+#: One layer's page of one block: K and V of every head, bfloat16.
+PAGE_BYTES = KV_HEADS * BLOCK * 2 * HEAD_SIZE * torch.bfloat16.itemsize
 QUESTION = 16
 #: The connector's hooks vLLM's scheduler calls (timed from inside it).
 SCHEDULER_HOOKS = (
@@ -541,7 +543,7 @@ def scattered_seconds(sizes, row: int, repeats: int = 5, seed: int = 0) -> dict[
             for layer in range(LAYERS):
                 dst[layer][ids] = part[layer]
             times.append(time.perf_counter() - started)
-        seconds[size] = statistics.median(times)
+        seconds[size] = statistics.median(times) * int(size) / (n * LAYERS * row)  # whole pages moved: per ``size`` bytes
     return seconds
 
 
@@ -660,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         transfers["none"] = None
         rounds, counted = _measure(args, s, num_blocks, transfers)
     sizes = {x.copy_bytes for by in rounds.values() for r in by for samples in r.values() for x in samples if x.copy_bytes}
-    memcpy_s, scattered_s = memcpy_seconds(sizes), scattered_seconds(sizes, KV_HEADS * BLOCK * 2 * HEAD_SIZE * 2)
+    memcpy_s, scattered_s = memcpy_seconds(sizes), scattered_seconds(sizes, PAGE_BYTES)
     workloads: dict[str, dict] = defaultdict(dict)
     for name, by in rounds.items():
         for w, figures in summarize(by, memcpy_s, scattered_s).items():

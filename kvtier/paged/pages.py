@@ -227,10 +227,13 @@ class PagedKV:
             offset += size
         return segments
 
-    def _host_pairs(self, segments, slots: slice = slice(None)):
+    def _host_pairs(self, segments, slots: slice = slice(None), stacked: bool = True):
         """(vLLM's pages, payload) array pairs for the host copies of ``slots`` (``segments``
-        holds those slots only), and the index that precedes the block axis in both."""
-        if self._host_pages is not None:
+        holds those slots only), and the index that precedes the block axis in both: every slot
+        in one pair where they are evenly spaced in one allocation and ``stacked``, else a pair a
+        slot (scattered ids: each block a contiguous row of its slot; with the slot axis before
+        the index numpy moved 7.0 GB/s where memcpy moves 13.5, a slot at a time 8.3)."""
+        if stacked and self._host_pages is not None:
             return [(self._host_pages[slots], segments)], (slice(None),)
         return list(zip(self._host[slots], segments)), ()
 
@@ -258,9 +261,7 @@ class PagedKV:
                         _wide(dst).index_copy_(0, index, _as(copies.to_device(torch.from_numpy(src[first : first + n])), dst))
             return
         index, start = self._index(block_ids)
-        # scattered ids: one indexed assignment a slot, each block a contiguous row of it (with
-        # the slot axis before the index, numpy moved 7.0 GB/s where memcpy moves 13.5; this 8.3)
-        pairs, lead = self._host_pairs(segments, slots) if start is not None else (list(zip(self._host[slots], segments)), ())
+        pairs, lead = self._host_pairs(segments, slots, stacked=start is not None)
         for dst, src in pairs:
             part = src[(*lead, slice(first, first + n))]
             if start is not None:
